@@ -1,0 +1,29 @@
+"""Four logical CPUs stand in for four GPUs in every test of this process.
+
+They must exist before TensorFlow initialises its runtime, so this runs at
+collection time, before any test module touches TensorFlow. Tests that need
+another device layout run the CLI in a subprocess.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # noqa: E402
+
+from tfdp.devices import configure_logical_devices  # noqa: E402
+
+NUM_LOGICAL_CPUS = 4
+configure_logical_devices(logical_cpus=NUM_LOGICAL_CPUS)
+
+CPUS = [f"/device:CPU:{i}" for i in range(NUM_LOGICAL_CPUS)]
+
+
+@pytest.fixture
+def mnist_dir():
+    """The real MNIST IDX files, from TFDP_MNIST_DIR; failing loudly when it is unset."""
+    directory = os.environ.get("TFDP_MNIST_DIR")
+    if not directory:
+        pytest.fail("set TFDP_MNIST_DIR to the directory of the four MNIST IDX .gz files "
+                    "(or deselect these tests with -m 'not mnist')")
+    return directory

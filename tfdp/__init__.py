@@ -1,0 +1,31 @@
+"""tfdp: data-parallel training in TensorFlow, from the MXNet multi-device tutorial.
+
+    import tfdp
+    tfdp.split_batch(100, [1, 5])          # [17, 83]
+    result = tfdp.train(tfdp.Config(mode="mirrored", devices="all"))
+
+The modules that import TensorFlow load on first use, so `import tfdp` is quick.
+"""
+
+import importlib
+
+from tfdp.config import Config
+from tfdp.devices import configure_logical_devices, split_batch
+from tfdp.errors import ConfigError
+
+_LAZY = {
+    "train": "tfdp.training", "prepare": "tfdp.training", "run": "tfdp.training",
+    "build_trainer": "tfdp.training",
+    "build_model": "tfdp.models", "lenet": "tfdp.models", "toy_mlp": "tfdp.models",
+    "initial_weights": "tfdp.models",
+    "load_mnist": "tfdp.data", "make_toy_data": "tfdp.data", "train_dataset": "tfdp.data",
+    "MirroredTrainer": "tfdp.mirrored", "WeightedTrainer": "tfdp.weighted",
+}
+
+__all__ = ["Config", "ConfigError", "configure_logical_devices", "split_batch", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tfdp' has no attribute {name!r}")

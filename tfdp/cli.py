@@ -1,0 +1,131 @@
+"""The `tfdp` command: absl flags -> Config -> train -> result JSON.
+
+The only module that reads FLAGS. Examples:
+
+  tfdp --mode=mirrored --logical_cpus=4 --devices=all
+  tfdp --mode=weighted --model=toy --logical_cpus=2 --devices=cpu:0,cpu:1 --powers=1,5 --batch_size=100
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+# Before TensorFlow is first imported: keep its C++ start-up chatter out of the run's output.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # noqa: E402
+
+from tfdp.config import DATASETS, INITS, MODELS, MODES, Config  # noqa: E402
+from tfdp.errors import ConfigError  # noqa: E402
+
+FLAGS = flags.FLAGS
+_DEFAULTS = Config()
+
+flags.DEFINE_enum("mode", _DEFAULTS.mode, MODES,
+                  "single: one device; mirrored: tf.distribute.MirroredStrategy; "
+                  "weighted: the tutorial's shards split by --powers, summed on device 0.")
+flags.DEFINE_enum("model", _DEFAULTS.model, MODELS, "LeNet-5 or the tutorial's toy MLP.")
+flags.DEFINE_enum("dataset", None, DATASETS, "Default: the model's own (lenet: mnist, toy: toy).")
+flags.DEFINE_string("devices", _DEFAULTS.devices,
+                    "Comma list such as cpu:0,gpu:0,gpu:1, or 'all' (every GPU, else every "
+                    "logical CPU). Default: single -> the first GPU or the CPU; others -> all.")
+flags.DEFINE_list("powers", [], "weighted: one relative speed per device, e.g. 1,5. Default: equal.")
+flags.DEFINE_integer("logical_cpus", 0, "Split the host CPU into N logical devices (0: keep it whole).")
+flags.DEFINE_integer("logical_gpus", 0, "Split GPU 0 into N logical devices (0: keep GPUs as they are).")
+flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size, "Global batch size, over all devices.")
+flags.DEFINE_integer("iterations", _DEFAULTS.iterations, "Training steps.")
+flags.DEFINE_float("learning_rate", _DEFAULTS.learning_rate, "Plain SGD learning rate.")
+flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the initial weights and of the batch order.")
+flags.DEFINE_enum("init", _DEFAULTS.init, INITS,
+                  "tutorial: weights U(-0.1, 0.1), biases 0; keras: Keras' default initialisers.")
+flags.DEFINE_integer("hidden_units", _DEFAULTS.hidden_units, "Hidden units of the toy MLP.")
+flags.DEFINE_integer("log_every", _DEFAULTS.log_every, "Log the accuracy every N iterations.")
+flags.DEFINE_string("data_dir", None, "tensorflow-datasets data directory (default: TFDS_DATA_DIR "
+                    "or tensorflow-datasets' own).")
+flags.DEFINE_string("mnist_dir", None, "Directory of the four MNIST IDX .gz files; read instead "
+                    "of tensorflow-datasets, never downloads. Default: $TFDP_MNIST_DIR.")
+flags.DEFINE_string("result_json", None, "Write the run's result here as JSON.")
+
+
+def _fail(message: str) -> None:
+    """One line on stderr, usage exit status; no traceback."""
+    print(f"tfdp: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _flag_text(field: str, value) -> str:
+    """`--field=value` as the user typed it where the field is a flag."""
+    if field in FLAGS:
+        return FLAGS[field].serialize() or f"--{field}="
+    return f"{field}={value}"
+
+
+def _powers_from_flag(values: list[str]) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in values)
+    except ValueError:
+        raise ConfigError("powers", values, "must be numbers, e.g. 1,5") from None
+
+
+def config_from_flags() -> Config:
+    """The run's Config; raises ConfigError naming the bad flag."""
+    return Config(
+        mode=FLAGS.mode, model=FLAGS.model, dataset=FLAGS.dataset, devices=FLAGS.devices,
+        powers=_powers_from_flag(FLAGS.powers), batch_size=FLAGS.batch_size,
+        iterations=FLAGS.iterations, learning_rate=FLAGS.learning_rate, seed=FLAGS.seed,
+        init=FLAGS.init, hidden_units=FLAGS.hidden_units, log_every=FLAGS.log_every,
+        data_dir=FLAGS.data_dir, mnist_dir=FLAGS.mnist_dir)
+
+
+def check_writable(field: str, path: str | None) -> None:
+    """Fails early when an output file could not be written at the end."""
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ConfigError(field, path, "is not a writable file path")
+
+
+def write_json(path: str, result: dict) -> None:
+    """Writes atomically: a crash never leaves half a file behind."""
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "w") as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")
+    os.replace(temporary, path)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        _fail(f"unexpected arguments {' '.join(argv[1:])}; flags take the form --name=value")
+    from tfdp.devices import configure_logical_devices
+    from tfdp import training
+
+    try:
+        config = config_from_flags()
+        check_writable("result_json", FLAGS.result_json)
+        configure_logical_devices(FLAGS.logical_cpus, FLAGS.logical_gpus)
+        plan = training.prepare(config)
+    except ConfigError as error:
+        _fail(f"{_flag_text(error.field, error.value)}: {error.reason}")
+    result = training.run(plan)
+    if FLAGS.result_json:
+        write_json(FLAGS.result_json, result)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    try:
+        return FLAGS(argv)
+    except flags.Error as error:  # unknown flag, bad enum or number: absl names the flag
+        _fail(str(error))
+
+
+def run() -> None:
+    """Console-script entry point."""
+    app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,284 @@
+"""Data sources (MNIST from IDX files or tensorflow-datasets, toy data) and input pipelines.
+
+Every source yields an `Arrays` held in memory; `train_dataset` turns any of them into
+the same deterministic, resumable stream of global batches.
+"""
+
+import dataclasses
+import gzip
+import os
+import zlib
+
+import numpy as np
+import tensorflow as tf
+
+from tfdp.errors import ConfigError
+
+MNIST_DIR_ENV = "TFDP_MNIST_DIR"
+IDX_FILES = {  # split -> (images file, labels file)
+    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+    "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
+}
+IMAGES_MAGIC = 2051  # 0x00000803: uint8 data, 3 dims (N, rows, cols)
+LABELS_MAGIC = 2049  # 0x00000801: uint8 data, 1 dim (N,)
+NUM_CLASSES = 10
+IMAGE_SIZE = 28
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrays:
+    """One split held in memory.
+
+    Attributes:
+        images: uint8 (N, 28, 28, 1) for MNIST; float32 (N, num_features) for toy data.
+        labels: int32 (N,).
+    """
+
+    images: np.ndarray
+    labels: np.ndarray
+
+    def __post_init__(self):
+        if len(self.images) != len(self.labels):
+            raise ValueError(
+                f"images and labels differ in length: {len(self.images)} images, "
+                f"{len(self.labels)} labels"
+            )
+
+    def __len__(self):
+        return len(self.labels)
+
+
+def read_idx(path, magic=None):
+    """Reads one gzip-compressed IDX file of uint8 data (the MNIST format).
+
+    Args:
+        path: path of the `.gz` file.
+        magic: the expected magic number; None accepts MNIST images (2051) or labels (2049).
+
+    Returns:
+        The uint8 array, shaped by the dims in the file's header.
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        ValueError: `path` is not gzip, or its header or payload length is wrong.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"IDX file not found: {path}")
+    try:
+        with gzip.open(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError, zlib.error) as e:
+        raise ValueError(f"{path} is not a valid gzip file: {e}") from e
+
+    expected = (IMAGES_MAGIC, LABELS_MAGIC) if magic is None else (magic,)
+    found = int.from_bytes(data[:4], "big") if len(data) >= 4 else None
+    if found not in expected:
+        raise ValueError(
+            f"{path}: bad IDX magic number, expected {' or '.join(map(str, expected))}, "
+            f"found {found}"
+        )
+    ndim = found & 0xFF  # the low byte of the magic counts the dims
+    header_size = 4 + 4 * ndim
+    if len(data) < header_size:
+        raise ValueError(
+            f"{path}: truncated IDX header, expected {header_size} bytes, found {len(data)}"
+        )
+    dims = tuple(np.frombuffer(data, dtype=">u4", count=ndim, offset=4).tolist())
+    payload_size = len(data) - header_size
+    if payload_size != int(np.prod(dims)):
+        raise ValueError(
+            f"{path}: IDX payload for dims {dims} should be {int(np.prod(dims))} bytes, "
+            f"found {payload_size}"
+        )
+    return np.frombuffer(data, dtype=np.uint8, offset=header_size).reshape(dims)
+
+
+def load_mnist_idx(directory, split="train"):
+    """Reads one MNIST split from the four standard IDX files in `directory`.
+
+    Args:
+        directory: directory holding the files named in `IDX_FILES`.
+        split: "train" or "test".
+
+    Returns:
+        Arrays with uint8 images (N, 28, 28, 1) and int32 labels (N,).
+
+    Raises:
+        FileNotFoundError: `directory` or one of its files is missing.
+        ConfigError: unknown split.
+        ValueError: the files are inconsistent.
+    """
+    if split not in IDX_FILES:
+        raise ConfigError("split", split, f"must be one of {sorted(IDX_FILES)}")
+    if not os.path.isdir(directory):
+        expected = [name for names in IDX_FILES.values() for name in names]
+        raise FileNotFoundError(
+            f"MNIST directory not found: {directory} (expected it to hold {', '.join(expected)})"
+        )
+    images_path, labels_path = (os.path.join(directory, name) for name in IDX_FILES[split])
+    images = read_idx(images_path, magic=IMAGES_MAGIC)
+    labels = read_idx(labels_path, magic=LABELS_MAGIC)
+
+    if len(images) != len(labels):
+        raise ValueError(
+            f"MNIST {split} count mismatch: {images_path} has {len(images)} images, "
+            f"{labels_path} has {len(labels)} labels"
+        )
+    if images.shape[1:] != (IMAGE_SIZE, IMAGE_SIZE):
+        raise ValueError(
+            f"{images_path}: images must be {IMAGE_SIZE}x{IMAGE_SIZE}, found {images.shape[1:]}"
+        )
+    if labels.size and labels.max() >= NUM_CLASSES:
+        raise ValueError(
+            f"{labels_path}: labels must be in 0..{NUM_CLASSES - 1}, found {labels.max()}"
+        )
+    return Arrays(images=images[..., np.newaxis], labels=labels.astype(np.int32))
+
+
+def load_mnist_tfds(split="train", data_dir=None):
+    """Loads one MNIST split through tensorflow-datasets.
+
+    Args:
+        split: a tfds split, e.g. "train" or "test".
+        data_dir: tfds data directory; None means tfds' default (honours TFDS_DATA_DIR).
+
+    Returns:
+        Arrays with uint8 images (N, 28, 28, 1) and int32 labels (N,).
+    """
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  # slow import
+
+    dataset = tfds.load(
+        "mnist", split=split, data_dir=data_dir, as_supervised=True, batch_size=-1
+    )
+    images, labels = tfds.as_numpy(dataset)
+    return Arrays(images=images.astype(np.uint8), labels=labels.astype(np.int32))
+
+
+def load_mnist(split="train", mnist_dir=None, data_dir=None):
+    """Loads one MNIST split from local IDX files if any are named, else tensorflow-datasets.
+
+    Args:
+        split: "train" or "test".
+        mnist_dir: directory of IDX files; None falls back to $TFDP_MNIST_DIR.
+        data_dir: tfds data directory, used only when no IDX directory is named.
+
+    Returns:
+        Arrays with uint8 images (N, 28, 28, 1) and int32 labels (N,).
+    """
+    # A named local directory is used exclusively: on an offline machine a tfds
+    # attempt would spend minutes retrying a download before failing.
+    directory = mnist_dir or os.environ.get(MNIST_DIR_ENV)
+    if directory:
+        return load_mnist_idx(directory, split)
+    return load_mnist_tfds(split, data_dir=data_dir)
+
+
+def make_toy_data(seed, num_examples=10000, num_classes=10, num_features=128, sigma=0.1):
+    """Makes the MXNet tutorial's toy data: Gaussian clusters around random class centres.
+
+    Args:
+        seed: seed for `np.random.default_rng`; equal seeds give identical arrays.
+        num_examples: number of examples N.
+        num_classes: number of classes; labels are balanced over them.
+        num_features: length of each feature vector.
+        sigma: standard deviation of the noise around each class centre.
+
+    Returns:
+        Arrays with float32 features (N, num_features) and int32 labels (N,).
+    """
+    for name, value in (("num_examples", num_examples), ("num_classes", num_classes),
+                        ("num_features", num_features)):
+        if value < 1:
+            raise ConfigError(name, value, "must be >= 1")
+    if sigma < 0:
+        raise ConfigError("sigma", sigma, "must be >= 0")
+    rng = np.random.default_rng(seed)
+    centres = rng.uniform(size=(num_classes, num_features))
+    labels = rng.permutation(np.arange(num_examples) % num_classes)
+    noise = rng.standard_normal((num_examples, num_features))
+    features = centres[labels] + sigma * noise
+    return Arrays(images=features.astype(np.float32), labels=labels.astype(np.int32))
+
+
+def _to_tensors(arrays):
+    # Pinned to the host: tf.data runs there, so a copy on an accelerator would be wasted.
+    with tf.device("/cpu:0"):
+        return tf.convert_to_tensor(arrays.images), tf.convert_to_tensor(arrays.labels)
+
+
+def _scale(images, labels):
+    """Maps a batch to the model's input types: float32 in [0, 1] for images, int32 labels."""
+    x = tf.cast(images, tf.float32)
+    if images.dtype == tf.uint8:
+        x = x / 255.0
+    return x, tf.cast(labels, tf.int32)
+
+
+def train_dataset(arrays, batch_size, seed, start_step=0):
+    """Builds the infinite, deterministic stream of full global training batches.
+
+    Epoch e visits the examples in the order
+    `tf.random.experimental.stateless_shuffle(tf.range(N), seed=[seed, e])`, cut into
+    `N // batch_size` batches (the remainder is dropped). Training step k reads batch
+    `k % steps_per_epoch` of epoch `k // steps_per_epoch`, so the stream depends only on
+    (arrays, batch_size, seed) and not on the devices that consume it.
+
+    Args:
+        arrays: the training split.
+        batch_size: global batch size, 1 <= batch_size <= N.
+        seed: integer seed of the shuffle.
+        start_step: first step to produce, for resuming exactly where training stopped.
+
+    Returns:
+        A dataset of (x float32 (batch_size, ...), y int32 (batch_size,)) batches.
+
+    Raises:
+        ConfigError: `batch_size` outside 1..N, or negative `start_step`.
+    """
+    num_examples = len(arrays)
+    if not 1 <= batch_size <= num_examples:
+        raise ConfigError("batch_size", batch_size, f"must be in 1..N={num_examples}")
+    if start_step < 0:
+        raise ConfigError("start_step", start_step, "must be >= 0")
+    steps_per_epoch = num_examples // batch_size
+    images, labels = _to_tensors(arrays)
+
+    def epoch_batches(epoch):
+        # One shuffle per epoch, cut into the index batches of its steps.
+        order = tf.random.experimental.stateless_shuffle(
+            tf.range(num_examples), seed=tf.stack([tf.constant(seed, tf.int64), epoch])
+        )
+        batches = tf.reshape(order[: steps_per_epoch * batch_size], [steps_per_epoch, batch_size])
+        return tf.data.Dataset.from_tensor_slices(batches)
+
+    def gather(indices):
+        return _scale(tf.gather(images, indices), tf.gather(labels, indices))
+
+    start_epoch, start_offset = divmod(start_step, steps_per_epoch)
+    return (
+        tf.data.Dataset.counter(start_epoch)
+        .flat_map(epoch_batches)
+        .skip(start_offset)  # skips index batches only: no gathers for the skipped steps
+        .map(gather)
+        .prefetch(tf.data.AUTOTUNE)
+    )
+
+
+def eval_batches(arrays, batch_size):
+    """Builds the finite, unshuffled evaluation batches (the last one may be partial).
+
+    Args:
+        arrays: the evaluation split.
+        batch_size: examples per batch, >= 1.
+
+    Returns:
+        A dataset of (x float32, y int32) batches covering every example once, in order.
+    """
+    if batch_size < 1:
+        raise ConfigError("batch_size", batch_size, "must be >= 1")
+    return (
+        tf.data.Dataset.from_tensor_slices(_to_tensors(arrays))
+        .batch(batch_size)
+        .map(_scale)
+        .prefetch(tf.data.AUTOTUNE)
+    )

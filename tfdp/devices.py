@@ -1,0 +1,187 @@
+"""Devices: names, logical-device set-up, and the weighted split of a batch."""
+
+from __future__ import annotations
+
+import fractions
+import math
+import re
+from typing import Sequence
+
+from tfdp.errors import ConfigError
+
+_DEVICE_RE = re.compile(r"^/?(?:device:)?(cpu|gpu)(?::(\d+))?$", re.IGNORECASE)
+
+
+def split_batch(global_batch: int, powers: Sequence[float]) -> list[int]:
+    """Splits `global_batch` examples across devices in proportion to `powers`.
+
+    Largest-remainder rounding: every device first gets the floor of its exact
+    share, then the examples still missing go one each to the devices with the
+    largest fractional parts (ties to the earlier device). The shares sum to
+    `global_batch` exactly and each is within 1 of proportional, which the
+    MXNet tutorial's `int(round(...))` does not guarantee (100 over [1, 1, 1]
+    gives it 99).
+
+    Args:
+        global_batch: examples in one global mini-batch.
+        powers: one positive, finite relative speed per device.
+
+    Returns:
+        The number of examples for each device, in the order of `powers`.
+
+    Raises:
+        ConfigError: on empty, zero, negative or non-finite powers, or when some
+            device would get no example.
+    """
+    powers = list(powers)
+    if not powers:
+        raise ConfigError("powers", powers, "needs one power per device, got none")
+    for p in powers:
+        if isinstance(p, bool) or not isinstance(p, (int, float)):
+            raise ConfigError("powers", powers, f"{p!r} is not a number")
+        if not math.isfinite(p) or p <= 0:
+            raise ConfigError("powers", powers,
+                                                f"every power must be a positive finite number, got {p}")
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int):
+        raise ConfigError("global_batch", global_batch, "must be an integer")
+    if global_batch < len(powers):
+        raise ConfigError(
+                "global_batch", global_batch,
+                f"is smaller than the number of devices ({len(powers)}); every device "
+                "needs at least one example")
+
+    # Exact rational arithmetic, so that ties are real ties, not float noise.
+    exact = [fractions.Fraction(global_batch) * fractions.Fraction(p)
+                      / sum(map(fractions.Fraction, powers)) for p in powers]
+    shares = [math.floor(e) for e in exact]
+    missing = global_batch - sum(shares)
+    by_remainder = sorted(range(len(powers)), key=lambda i: (shares[i] - exact[i], i))
+    for i in by_remainder[:missing]:
+        shares[i] += 1
+
+    if min(shares) == 0:
+        starved = shares.index(0)
+        raise ConfigError(
+                "powers", powers,
+                f"device {starved} would get 0 of {global_batch} examples; raise its "
+                "power or the batch size")
+    return shares
+
+
+def even_split(global_batch: int, num_replicas: int) -> list[int]:
+    """How tf.distribute splits a global batch over replicas.
+
+    `experimental_distribute_dataset` rebatches to ceil(batch / replicas) per
+    replica, the last replicas taking what is left: 100 over 3 gives
+    [34, 34, 32]. Summing per-example losses over the global batch keeps the
+    update exact for uneven splits too.
+    """
+    per_replica = -(-global_batch // num_replicas)
+    return [max(0, min(per_replica, global_batch - i * per_replica))
+                    for i in range(num_replicas)]
+
+
+def canonical_name(spec: str) -> str:
+    """'cpu:0', '/GPU:1', '/device:CPU:0', 'gpu' -> '/device:GPU:0' form."""
+    match = _DEVICE_RE.match(spec.strip())
+    if not match:
+        raise ConfigError("devices", spec,
+                                            "is not a device name; use cpu:N or gpu:N, e.g. cpu:0,gpu:0")
+    kind, index = match.group(1).upper(), int(match.group(2) or 0)
+    return f"/device:{kind}:{index}"
+
+
+def short_name(device: str) -> str:
+    """'/device:GPU:0' -> 'GPU:0', for printing."""
+    return device.rsplit("device:", 1)[-1]
+
+
+def parse_devices(spec: str, available: Sequence[str]) -> list[str]:
+    """Resolves a `--devices` value against the devices that exist.
+
+    Args:
+        spec: comma list such as 'cpu:0,gpu:0,gpu:1', or 'all' for every GPU (every
+            logical CPU where there is no GPU).
+        available: canonical names of the devices that exist.
+
+    Returns:
+        Canonical device names, in the order given.
+
+    Raises:
+        ConfigError: malformed names, duplicates, or devices that do not exist
+            (the message lists the ones that do).
+    """
+    spec = spec.strip()
+    if spec.lower() == "all":
+        gpus = [d for d in available if ":GPU:" in d]
+        return gpus or [d for d in available if ":CPU:" in d]
+    items = [item for item in spec.split(",")]
+    if not spec or any(not item.strip() for item in items):
+        raise ConfigError("devices", spec, "needs a comma list such as cpu:0,gpu:0, or all")
+    devices = [canonical_name(item) for item in items]
+    duplicates = sorted({short_name(d) for d in devices if devices.count(d) > 1})
+    if duplicates:
+        raise ConfigError("devices", spec, f"names {', '.join(duplicates)} more than once")
+    missing = [short_name(d) for d in devices if d not in available]
+    if missing:
+        raise ConfigError(
+                "devices", spec,
+                f"{', '.join(missing)} does not exist here; the devices are "
+                f"{', '.join(short_name(d) for d in available)}")
+    return devices
+
+
+def available_devices() -> list[str]:
+    """Canonical names of the logical CPUs and GPUs TensorFlow can use."""
+    import tensorflow as tf
+    return [_canonical_logical_name(d.name)
+                    for kind in ("CPU", "GPU") for d in tf.config.list_logical_devices(kind)]
+
+
+def _canonical_logical_name(name: str) -> str:
+    # '/job:localhost/replica:0/task:0/device:CPU:0' -> '/device:CPU:0'
+    return "/device:" + name.rsplit("device:", 1)[-1]
+
+
+def configure_logical_devices(logical_cpus: int = 0, logical_gpus: int = 0,
+                                                            gpu_memory_mb: int = 1024) -> None:
+    """Splits the host CPU (and GPU 0) into logical devices.
+
+    Must run before TensorFlow initialises its runtime, i.e. before the first op
+    or device listing of the process. Calling it again with the same numbers is
+    harmless; asking for other numbers afterwards is an error, since TensorFlow
+    cannot change logical devices once started.
+
+    Args:
+        logical_cpus: 0 keeps the CPU whole, N > 0 makes CPU:0..CPU:N-1.
+        logical_gpus: 0 keeps GPUs as they are, N > 0 splits GPU 0 into N.
+        gpu_memory_mb: memory limit of each logical GPU.
+    """
+    import tensorflow as tf
+    if logical_cpus < 0:
+        raise ConfigError("logical_cpus", logical_cpus, "must be 0 (keep the CPU whole) or more")
+    if logical_gpus < 0:
+        raise ConfigError("logical_gpus", logical_gpus, "must be 0 (keep GPUs as they are) or more")
+    if logical_cpus:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        _set_logical(tf, cpu, [tf.config.LogicalDeviceConfiguration()] * logical_cpus,
+                                  "logical_cpus", logical_cpus, "CPU")
+    if logical_gpus:
+        gpus = tf.config.list_physical_devices("GPU")
+        if not gpus:
+            raise ConfigError("logical_gpus", logical_gpus, "needs a GPU, and this machine has none")
+        config = tf.config.LogicalDeviceConfiguration(memory_limit=gpu_memory_mb)
+        _set_logical(tf, gpus[0], [config] * logical_gpus, "logical_gpus", logical_gpus, "GPU")
+
+
+def _set_logical(tf, physical, configs, field, count, kind):
+    try:
+        tf.config.set_logical_device_configuration(physical, configs)
+    except RuntimeError as error:
+        existing = len(tf.config.list_logical_devices(kind))
+        if existing != count:
+            raise ConfigError(
+                    field, count,
+                    f"TensorFlow has already started with {existing} logical {kind}(s); "
+                    "logical devices can only be set once per process, before TensorFlow "
+                    "initialises") from error

@@ -1,0 +1,63 @@
+"""A custom training loop under tf.distribute.MirroredStrategy."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdp.devices import even_split
+from tfdp.steps import replica_gradients
+
+
+def cross_device_ops_for(devices):
+    """The all-reduce to use for a device set.
+
+    NCCL where every device is a GPU (MirroredStrategy's own choice there).
+    Elsewhere, reduction to one device: on CPUs MirroredStrategy would pick
+    collective ops, and collective groups of different sizes in one process
+    collide ("joining a group with size 4, but that group has size 2").
+    """
+    if all(":GPU:" in d for d in devices) and len(devices) > 1:
+        return tf.distribute.NcclAllReduce()
+    return tf.distribute.ReductionToOneDevice(reduce_to_device=devices[0])
+
+
+class MirroredTrainer:
+    """Synchronous replicas of one Keras model, one per device."""
+
+    def __init__(self, make_model, weights, devices, global_batch_size, learning_rate):
+        self.devices = list(devices)
+        self.global_batch_size = global_batch_size
+        self.shards = even_split(global_batch_size, len(self.devices))
+        self.strategy = tf.distribute.MirroredStrategy(
+            self.devices, cross_device_ops=cross_device_ops_for(self.devices))
+        with self.strategy.scope():
+            self.model = make_model()
+            self.model.set_weights(weights)
+            self.optimizer = keras.optimizers.SGD(learning_rate)
+            self.optimizer.build(self.model.trainable_variables)
+        self._train_step = tf.function(self._step)
+
+    def distribute(self, dataset):
+        """Splits each global batch into per-replica batches."""
+        return iter(self.strategy.experimental_distribute_dataset(dataset))
+
+    def train_step(self, iterator):
+        """One SGD step on the next global batch; returns summed metrics."""
+        return self._train_step(iterator)
+
+    def _step(self, iterator):
+        x, y = next(iterator)
+        per_replica = self.strategy.run(self._replica_step, args=(x, y))
+        return {key: self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+                for key, value in per_replica.items()}
+
+    def _replica_step(self, x, y):
+        gradients, metrics = replica_gradients(self.model, x, y, self.global_batch_size)
+        # Inside a replica, the optimizer all-reduces (sums) the gradients first.
+        self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
+        return metrics
+
+    def get_weights(self) -> list[np.ndarray]:
+        return self.model.get_weights()
