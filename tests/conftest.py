@@ -19,7 +19,7 @@ configure_logical_devices(logical_cpus=NUM_LOGICAL_CPUS)
 CPUS = [f"/device:CPU:{i}" for i in range(NUM_LOGICAL_CPUS)]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def mnist_dir():
     """The real MNIST IDX files, from TFDP_MNIST_DIR; failing loudly when it is unset."""
     directory = os.environ.get("TFDP_MNIST_DIR")

@@ -15,7 +15,7 @@ import sys
 # Before TensorFlow is first imported: keep its C++ start-up chatter out of the run's output.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
 from tfdp.config import DATASETS, INITS, MODELS, MODES, Config  # noqa: E402
 from tfdp.errors import ConfigError  # noqa: E402
@@ -100,6 +100,9 @@ def write_json(path: str, result: dict) -> None:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         _fail(f"unexpected arguments {' '.join(argv[1:])}; flags take the form --name=value")
+    if not FLAGS["verbosity"].present:
+        # tf.distribute logs every all-reduce it builds at INFO; the run's own output is enough.
+        logging.set_verbosity(logging.WARNING)
     from tfdp.devices import configure_logical_devices
     from tfdp import training
 

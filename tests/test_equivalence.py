@@ -1,0 +1,80 @@
+"""The key invariant: for the same global batches and initial weights, every
+mode makes the same update, however the batch is split over devices."""
+
+import numpy as np
+import pytest
+
+from tfdp import Config
+from tfdp.data import Arrays, train_dataset
+from tfdp.training import build_trainer, partition
+
+from conftest import CPUS
+
+BATCH = 100
+SEED = 5
+
+
+@pytest.fixture(scope="module")
+def images():
+    rng = np.random.default_rng(0)
+    return Arrays(rng.integers(0, 256, (600, 28, 28, 1), dtype=np.uint8),
+                  rng.integers(0, 10, 600).astype(np.int32))
+
+
+def train_steps(mode, devices, powers, steps, images):
+    config = Config(mode=mode, devices=",".join(devices), powers=powers, batch_size=BATCH,
+                    seed=SEED)
+    trainer = build_trainer(config, devices, partition(config, devices))
+    iterator = trainer.distribute(train_dataset(images, BATCH, SEED))
+    for _ in range(steps):
+        metrics = trainer.train_step(iterator)
+    return trainer.get_weights(), {k: float(v) for k, v in metrics.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(images):
+    return {steps: train_steps("single", CPUS[:1], (), steps, images) for steps in (1, 3)}
+
+
+CASES = [
+    ("mirrored", CPUS[:2], ()),
+    ("mirrored", CPUS[:4], ()),
+    ("mirrored", CPUS[:3], ()),  # uneven: tf.distribute splits 100 as 34, 34, 32
+    ("weighted", CPUS[:2], (1, 1)),
+    ("weighted", CPUS[:2], (1, 5)),
+    ("weighted", CPUS[:4], (3, 1, 1, 1)),
+]
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("mode, devices, powers", CASES)
+def test_same_update_as_single(mode, devices, powers, steps, images, reference):
+    weights, metrics = train_steps(mode, devices, powers, steps, images)
+    expected_weights, expected_metrics = reference[steps]
+    for got, expected in zip(weights, expected_weights, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert metrics["correct"] == expected_metrics["correct"]
+    assert metrics["loss_sum"] == pytest.approx(expected_metrics["loss_sum"], rel=1e-5)
+
+
+def test_the_update_is_not_trivial(reference):
+    from tfdp.models import initial_weights
+    start = initial_weights("lenet", "tutorial", SEED)
+    moved = [np.abs(w - w0).max() for w, w0 in zip(reference[1][0], start)]
+    assert min(moved) > 1e-4  # every variable moves, far beyond the tolerance above
+    assert not np.allclose(reference[1][0][0], reference[3][0][0], atol=1e-4)
+
+
+def test_weighted_places_each_copy_on_its_device():
+    config = Config(mode="weighted", devices="all", batch_size=BATCH)
+    trainer = build_trainer(config, CPUS, partition(config, CPUS))
+    for device, model in zip(CPUS, trainer.models):
+        assert all(w.value.device.endswith(device.lstrip("/")) for w in model.weights)
+
+
+def test_mirrored_shards_are_what_tf_distribute_does(images):
+    config = Config(mode="mirrored", devices="cpu:0,cpu:1,cpu:2", batch_size=BATCH)
+    trainer = build_trainer(config, CPUS[:3], partition(config, CPUS[:3]))
+    x, _ = next(trainer.distribute(train_dataset(images, BATCH, SEED)))
+    assert [len(t) for t in trainer.strategy.experimental_local_results(x)] == trainer.shards
+    assert trainer.shards == [34, 34, 32]

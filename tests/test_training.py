@@ -1,0 +1,69 @@
+"""The tutorial's runs, end to end through `tfdp.train`."""
+
+import numpy as np
+import pytest
+
+import tfdp
+from tfdp import Config
+
+
+def test_toy_run_weighted_cpu_gpu_powers():
+    # The tutorial's first example: [cpu, gpu] with powers [1, 5], batch 100, 50 iterations.
+    lines = []
+    result = tfdp.train(Config(mode="weighted", model="toy", devices="cpu:0,cpu:1",
+                               powers=(1, 5), batch_size=100), log=lines.append)
+    assert lines[0] == "workload partition: [('CPU:0', 17), ('CPU:1', 83)]"
+    assert [line.split(",")[0] for line in lines[1:6]] == [
+        f"iteration {i}" for i in (0, 10, 20, 30, 40)]
+    assert lines[-1].startswith("time for 50 iterations")
+    assert result["shards"] == [17, 83]
+    assert result["log"][0]["accuracy"] < 0.5  # it starts near chance...
+    assert result["final_accuracy"] >= 0.95   # ...and learns, as the tutorial asserts
+    assert result["log"][-1]["loss"] < result["log"][0]["loss"] / 2
+
+
+def test_result_is_what_result_json_writes():
+    import json
+    result = tfdp.train(Config(model="toy", batch_size=20, iterations=3, log_every=1),
+                        log=lambda line: None)
+    assert json.loads(json.dumps(result)) == result
+    assert set(result) >= {"mode", "devices", "shards", "log", "final_loss", "seconds",
+                           "images_per_second"}
+    assert [entry["iteration"] for entry in result["log"]] == [0, 1, 2]
+    assert result["devices"] == ["CPU:0"] and result["shards"] == [20]
+
+
+# LeNet on real MNIST, as in the tutorial: batch 1024, 50 iterations.
+LENET_RUNS = {
+    "mirrored on 1": dict(mode="mirrored", devices="cpu:0"),
+    "mirrored on 2": dict(mode="mirrored", devices="cpu:0,cpu:1"),
+    "mirrored on 4": dict(mode="mirrored", devices="all"),
+    "weighted [1, 5] on 2": dict(mode="weighted", devices="cpu:0,cpu:1", powers=(1, 5)),
+}
+
+
+@pytest.fixture(scope="module")
+def lenet_results(mnist_dir):
+    return {name: tfdp.train(Config(mnist_dir=mnist_dir, **changes), log=print)
+            for name, changes in LENET_RUNS.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.mnist
+def test_lenet_learns_like_the_tutorial(lenet_results):
+    for name, result in lenet_results.items():
+        accuracy = {entry["iteration"]: entry["accuracy"] for entry in result["log"]}
+        assert sorted(accuracy) == [0, 10, 20, 30, 40], name
+        assert accuracy[40] >= 0.85, name
+        assert accuracy[0] < 0.2, name
+
+
+@pytest.mark.slow
+@pytest.mark.mnist
+def test_lenet_log_is_the_same_on_every_device_set(lenet_results):
+    # Same seed, same batches, same update: only float rounding differs.
+    reference = lenet_results["mirrored on 1"]["log"]
+    for name, result in lenet_results.items():
+        for got, expected in zip(result["log"], reference, strict=True):
+            assert abs(got["accuracy"] - expected["accuracy"]) <= 3 / 1024, name
+            np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-3, err_msg=name)
