@@ -24,6 +24,8 @@ def mnist_dir():
     """The real MNIST IDX files, from TFDP_MNIST_DIR; failing loudly when it is unset."""
     directory = os.environ.get("TFDP_MNIST_DIR")
     if not directory:
-        pytest.fail("set TFDP_MNIST_DIR to the directory of the four MNIST IDX .gz files "
-                    "(or deselect these tests with -m 'not mnist')")
+        pytest.fail(
+            "set TFDP_MNIST_DIR to the directory of the four MNIST IDX .gz files "
+            "(or deselect these tests with -m 'not mnist')"
+        )
     return directory

@@ -9,8 +9,14 @@ import sys
 
 import pytest
 
-TOY_RUN = ["--mode=weighted", "--model=toy", "--logical_cpus=2", "--devices=cpu:0,cpu:1",
-           "--powers=1,5", "--batch_size=100"]
+TOY_RUN = [
+    "--mode=weighted",
+    "--model=toy",
+    "--logical_cpus=2",
+    "--devices=cpu:0,cpu:1",
+    "--powers=1,5",
+    "--batch_size=100",
+]
 # Lines TensorFlow's native runtime prints at start-up, whatever the log level.
 NATIVE_PREFIXES = ("WARNING: All log messages before absl", "I0000", "W0000", "E0000")
 
@@ -18,13 +24,22 @@ NATIVE_PREFIXES = ("WARNING: All log messages before absl", "I0000", "W0000", "E
 def tfdp(*args, cwd=None):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TFDP_MNIST_DIR", None)  # every run here names its data explicitly
-    return subprocess.run([sys.executable, "-m", "tfdp", *args], capture_output=True,
-                          text=True, env=env, cwd=cwd, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "tfdp", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=600,
+    )
 
 
 def own_stderr_lines(process):
-    return [line for line in process.stderr.splitlines()
-            if line.strip() and not line.startswith(NATIVE_PREFIXES)]
+    return [
+        line
+        for line in process.stderr.splitlines()
+        if line.strip() and not line.startswith(NATIVE_PREFIXES)
+    ]
 
 
 def test_toy_run_writes_result_json(tmp_path):
@@ -82,12 +97,22 @@ BAD_FLAGS = [
     (["--powers=1,5"], "--powers=1,5"),  # powers with mode single
     (["--model=toy", "--devices=gpu:0"], "--devices=gpu:0"),
     (["--model=toy", "--devices=cpu:0;cpu:1"], "--devices=cpu:0;cpu:1"),
-    (["--model=toy", "--mode=weighted", "--logical_cpus=2", "--devices=all", "--powers=1,2,3"],
-     "--powers=1,2,3"),
+    (
+        ["--model=toy", "--mode=weighted", "--logical_cpus=2", "--devices=all", "--powers=1,2,3"],
+        "--powers=1,2,3",
+    ),
     (["--model=toy", "--mode=mirrored", "--logical_cpus=4", "--batch_size=3"], "--batch_size=3"),
     (["--model=toy", "--mode=mirrored", "--logical_cpus=4", "--batch_size=6"], "--batch_size=6"),
-    (["--model=toy", "--mode=weighted", "--logical_cpus=2", "--powers=1,1000", "--batch_size=10"],
-     "--powers=1,1000"),
+    (
+        [
+            "--model=toy",
+            "--mode=weighted",
+            "--logical_cpus=2",
+            "--powers=1,1000",
+            "--batch_size=10",
+        ],
+        "--powers=1,1000",
+    ),
     (["--logical_cpus=-1"], "--logical_cpus=-1"),
     (["--mnist_dir=/no/such/dir"], "--mnist_dir=/no/such/dir"),
     (["--model=toy", "--result_json=/no/such/dir/result.json"], "--result_json=/no/such/dir"),

@@ -7,32 +7,41 @@ from tfdp import Config, ConfigError
 
 def test_defaults_are_the_tutorial_lenet_run():
     config = Config()
-    assert (config.model, config.dataset, config.batch_size, config.iterations,
-            config.learning_rate, config.log_every, config.init) == (
-        "lenet", "mnist", 1024, 50, 0.1, 10, "tutorial")
+    assert (
+        config.model,
+        config.dataset,
+        config.batch_size,
+        config.iterations,
+        config.learning_rate,
+        config.log_every,
+        config.init,
+    ) == ("lenet", "mnist", 1024, 50, 0.1, 10, "tutorial")
 
 
 def test_dataset_follows_the_model():
     assert Config(model="toy").dataset == "toy"
 
 
-@pytest.mark.parametrize("changes, field", [
-    (dict(mode="async"), "mode"),
-    (dict(model="resnet"), "model"),
-    (dict(dataset="cifar10"), "dataset"),
-    (dict(model="toy", dataset="mnist"), "dataset"),
-    (dict(init="he"), "init"),
-    (dict(batch_size=0), "batch_size"),
-    (dict(batch_size=2.5), "batch_size"),
-    (dict(iterations=-1), "iterations"),
-    (dict(log_every=0), "log_every"),
-    (dict(learning_rate=0.0), "learning_rate"),
-    (dict(learning_rate=math.nan), "learning_rate"),
-    (dict(seed=-3), "seed"),
-    (dict(mode="mirrored", powers=(1, 5)), "powers"),
-    (dict(mode="weighted", powers=(1, 0)), "powers"),
-    (dict(mode="weighted", powers=(1, math.nan)), "powers"),
-])
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        (dict(mode="async"), "mode"),
+        (dict(model="resnet"), "model"),
+        (dict(dataset="cifar10"), "dataset"),
+        (dict(model="toy", dataset="mnist"), "dataset"),
+        (dict(init="he"), "init"),
+        (dict(batch_size=0), "batch_size"),
+        (dict(batch_size=2.5), "batch_size"),
+        (dict(iterations=-1), "iterations"),
+        (dict(log_every=0), "log_every"),
+        (dict(learning_rate=0.0), "learning_rate"),
+        (dict(learning_rate=math.nan), "learning_rate"),
+        (dict(seed=-3), "seed"),
+        (dict(mode="mirrored", powers=(1, 5)), "powers"),
+        (dict(mode="weighted", powers=(1, 0)), "powers"),
+        (dict(mode="weighted", powers=(1, math.nan)), "powers"),
+    ],
+)
 def test_bad_settings_name_their_field(changes, field):
     with pytest.raises(ConfigError) as info:
         Config(**changes)

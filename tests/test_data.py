@@ -186,8 +186,9 @@ def test_load_mnist_without_local_dir_uses_tfds(tmp_path, monkeypatch):
     monkeypatch.delenv(data.MNIST_DIR_ENV, raising=False)
     monkeypatch.setattr(tfds, "load", fake_load)
     arrays = data.load_mnist("test", data_dir=str(tmp_path))
-    assert calls == [("mnist", dict(split="test", data_dir=str(tmp_path),
-                                    as_supervised=True, batch_size=-1))]
+    assert calls == [
+        ("mnist", dict(split="test", data_dir=str(tmp_path), as_supervised=True, batch_size=-1))
+    ]
     assert arrays.labels.dtype == np.int32 and arrays.labels.tolist() == [4, 5, 6]
 
 
@@ -195,10 +196,16 @@ def test_load_mnist_tfds_offline_with_mock_data(tmp_path):
     # mock_data needs the split sizes (from metadata files) for batch_size=-1: without
     # them tfds batches by sys.maxsize and aborts the process.
     builder = tfds.builder("mnist", data_dir=str(tmp_path))
-    builder.info.set_splits(tfds.core.SplitDict([
-        tfds.core.SplitInfo(name=name, shard_lengths=[n], num_bytes=0, filename_template=None)
-        for name, n in (("train", 12), ("test", 12))
-    ]))
+    builder.info.set_splits(
+        tfds.core.SplitDict(
+            [
+                tfds.core.SplitInfo(
+                    name=name, shard_lengths=[n], num_bytes=0, filename_template=None
+                )
+                for name, n in (("train", 12), ("test", 12))
+            ]
+        )
+    )
     os.makedirs(builder.data_dir)
     builder.info.write_to_directory(builder.data_dir)
     with tfds.testing.mock_data(num_examples=12, data_dir=str(tmp_path)):

@@ -1,17 +1,22 @@
 import pytest
+from conftest import CPUS, NUM_LOGICAL_CPUS
 
 from tfdp import ConfigError, configure_logical_devices
 from tfdp.devices import available_devices, canonical_name, parse_devices
 
-from conftest import CPUS, NUM_LOGICAL_CPUS
-
 MACHINE = ["/device:CPU:0", "/device:GPU:0", "/device:GPU:1"]
 
 
-@pytest.mark.parametrize("spec, name", [
-    ("cpu:0", "/device:CPU:0"), ("GPU:1", "/device:GPU:1"), ("/gpu:1", "/device:GPU:1"),
-    ("/device:CPU:3", "/device:CPU:3"), (" gpu ", "/device:GPU:0"),
-])
+@pytest.mark.parametrize(
+    "spec, name",
+    [
+        ("cpu:0", "/device:CPU:0"),
+        ("GPU:1", "/device:GPU:1"),
+        ("/gpu:1", "/device:GPU:1"),
+        ("/device:CPU:3", "/device:CPU:3"),
+        (" gpu ", "/device:GPU:0"),
+    ],
+)
 def test_canonical_names(spec, name):
     assert canonical_name(spec) == name
 
@@ -25,13 +30,16 @@ def test_all_means_every_gpu_else_every_cpu():
     assert parse_devices("all", CPUS) == CPUS
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("gpu:2", "GPU:2 does not exist here; the devices are CPU:0, GPU:0, GPU:1"),
-    ("tpu:0", "is not a device name"),
-    ("cpu:0,,gpu:0", "comma list"),
-    ("", "comma list"),
-    ("gpu:0,GPU:0", "GPU:0 more than once"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("gpu:2", "GPU:2 does not exist here; the devices are CPU:0, GPU:0, GPU:1"),
+        ("tpu:0", "is not a device name"),
+        ("cpu:0,,gpu:0", "comma list"),
+        ("", "comma list"),
+        ("gpu:0,GPU:0", "GPU:0 more than once"),
+    ],
+)
 def test_bad_devices_are_named(spec, message):
     with pytest.raises(ConfigError, match=message) as info:
         parse_devices(spec, MACHINE)

@@ -3,12 +3,11 @@ mode makes the same update, however the batch is split over devices."""
 
 import numpy as np
 import pytest
+from conftest import CPUS
 
 from tfdp import Config
 from tfdp.data import Arrays, train_dataset
 from tfdp.training import build_trainer, partition
-
-from conftest import CPUS
 
 BATCH = 100
 SEED = 5
@@ -17,13 +16,16 @@ SEED = 5
 @pytest.fixture(scope="module")
 def images():
     rng = np.random.default_rng(0)
-    return Arrays(rng.integers(0, 256, (600, 28, 28, 1), dtype=np.uint8),
-                  rng.integers(0, 10, 600).astype(np.int32))
+    return Arrays(
+        rng.integers(0, 256, (600, 28, 28, 1), dtype=np.uint8),
+        rng.integers(0, 10, 600).astype(np.int32),
+    )
 
 
 def train_steps(mode, devices, powers, steps, images):
-    config = Config(mode=mode, devices=",".join(devices), powers=powers, batch_size=BATCH,
-                    seed=SEED)
+    config = Config(
+        mode=mode, devices=",".join(devices), powers=powers, batch_size=BATCH, seed=SEED
+    )
     trainer = build_trainer(config, devices, partition(config, devices))
     iterator = trainer.distribute(train_dataset(images, BATCH, SEED))
     for _ in range(steps):
@@ -59,6 +61,7 @@ def test_same_update_as_single(mode, devices, powers, steps, images, reference):
 
 def test_the_update_is_not_trivial(reference):
     from tfdp.models import initial_weights
+
     start = initial_weights("lenet", "tutorial", SEED)
     moved = [np.abs(w - w0).max() for w, w0 in zip(reference[1][0], start)]
     assert min(moved) > 1e-4  # every variable moves, far beyond the tolerance above

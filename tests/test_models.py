@@ -7,13 +7,31 @@ from tfdp.models import build_model, initial_weights
 def test_lenet_is_the_tutorial_network():
     model = build_model("lenet")
     shapes = [tuple(w.shape) for w in model.weights]
-    assert shapes == [(5, 5, 1, 20), (20,), (5, 5, 20, 50), (50,), (800, 500), (500,),
-                      (500, 10), (10,)]
+    assert shapes == [
+        (5, 5, 1, 20),
+        (20,),
+        (5, 5, 20, 50),
+        (50,),
+        (800, 500),
+        (500,),
+        (500, 10),
+        (10,),
+    ]
     assert model.count_params() == 431_080
     assert [layer.__class__.__name__ for layer in model.layers] == [
-        "Conv2D", "MaxPooling2D", "Conv2D", "MaxPooling2D", "Flatten", "Dense", "Dense"]
-    assert [getattr(layer, "activation", None).__name__ for layer in model.layers
-            if hasattr(layer, "activation")] == ["tanh", "tanh", "tanh", "linear"]
+        "Conv2D",
+        "MaxPooling2D",
+        "Conv2D",
+        "MaxPooling2D",
+        "Flatten",
+        "Dense",
+        "Dense",
+    ]
+    assert [
+        getattr(layer, "activation", None).__name__
+        for layer in model.layers
+        if hasattr(layer, "activation")
+    ] == ["tanh", "tanh", "tanh", "linear"]
     assert model(np.zeros((3, 28, 28, 1), np.float32)).shape == (3, 10)
 
 

@@ -41,14 +41,17 @@ def test_largest_remainder_goes_first():
     assert split_batch(7, [1, 1, 1]) == [3, 2, 2]
 
 
-@pytest.mark.parametrize("powers, message", [
-    ([], "got none"),
-    ([1, 0], "positive finite"),
-    ([1, -2], "positive finite"),
-    ([1, math.nan], "positive finite"),
-    ([1, math.inf], "positive finite"),
-    ([1, "fast"], "not a number"),
-])
+@pytest.mark.parametrize(
+    "powers, message",
+    [
+        ([], "got none"),
+        ([1, 0], "positive finite"),
+        ([1, -2], "positive finite"),
+        ([1, math.nan], "positive finite"),
+        ([1, math.inf], "positive finite"),
+        ([1, "fast"], "not a number"),
+    ],
+)
 def test_rejects_bad_powers(powers, message):
     with pytest.raises(ConfigError, match=message) as info:
         split_batch(100, powers)
@@ -66,8 +69,14 @@ def test_rejects_a_starved_device():
         split_batch(10, [1, 100])
 
 
-@pytest.mark.parametrize("batch, replicas, expected", [
-    (1024, 4, [256] * 4), (100, 3, [34, 34, 32]), (66, 4, [17, 17, 17, 15]), (6, 4, [2, 2, 2, 0]),
-])
+@pytest.mark.parametrize(
+    "batch, replicas, expected",
+    [
+        (1024, 4, [256] * 4),
+        (100, 3, [34, 34, 32]),
+        (66, 4, [17, 17, 17, 15]),
+        (6, 4, [2, 2, 2, 0]),
+    ],
+)
 def test_even_split_is_tf_distribute_rule(batch, replicas, expected):
     assert even_split(batch, replicas) == expected

@@ -10,25 +10,37 @@ from tfdp import Config
 def test_toy_run_weighted_cpu_gpu_powers():
     # The tutorial's first example: [cpu, gpu] with powers [1, 5], batch 100, 50 iterations.
     lines = []
-    result = tfdp.train(Config(mode="weighted", model="toy", devices="cpu:0,cpu:1",
-                               powers=(1, 5), batch_size=100), log=lines.append)
+    result = tfdp.train(
+        Config(mode="weighted", model="toy", devices="cpu:0,cpu:1", powers=(1, 5), batch_size=100),
+        log=lines.append,
+    )
     assert lines[0] == "workload partition: [('CPU:0', 17), ('CPU:1', 83)]"
     assert [line.split(",")[0] for line in lines[1:6]] == [
-        f"iteration {i}" for i in (0, 10, 20, 30, 40)]
+        f"iteration {i}" for i in (0, 10, 20, 30, 40)
+    ]
     assert lines[-1].startswith("time for 50 iterations")
     assert result["shards"] == [17, 83]
     assert result["log"][0]["accuracy"] < 0.5  # it starts near chance...
-    assert result["final_accuracy"] >= 0.95   # ...and learns, as the tutorial asserts
+    assert result["final_accuracy"] >= 0.95  # ...and learns, as the tutorial asserts
     assert result["log"][-1]["loss"] < result["log"][0]["loss"] / 2
 
 
 def test_result_is_what_result_json_writes():
     import json
-    result = tfdp.train(Config(model="toy", batch_size=20, iterations=3, log_every=1),
-                        log=lambda line: None)
+
+    result = tfdp.train(
+        Config(model="toy", batch_size=20, iterations=3, log_every=1), log=lambda line: None
+    )
     assert json.loads(json.dumps(result)) == result
-    assert set(result) >= {"mode", "devices", "shards", "log", "final_loss", "seconds",
-                           "images_per_second"}
+    assert set(result) >= {
+        "mode",
+        "devices",
+        "shards",
+        "log",
+        "final_loss",
+        "seconds",
+        "images_per_second",
+    }
     assert [entry["iteration"] for entry in result["log"]] == [0, 1, 2]
     assert result["devices"] == ["CPU:0"] and result["shards"] == [20]
 
@@ -44,8 +56,10 @@ LENET_RUNS = {
 
 @pytest.fixture(scope="module")
 def lenet_results(mnist_dir):
-    return {name: tfdp.train(Config(mnist_dir=mnist_dir, **changes), log=print)
-            for name, changes in LENET_RUNS.items()}
+    return {
+        name: tfdp.train(Config(mnist_dir=mnist_dir, **changes), log=print)
+        for name, changes in LENET_RUNS.items()
+    }
 
 
 @pytest.mark.slow

@@ -14,12 +14,19 @@ from tfdp.devices import configure_logical_devices, split_batch
 from tfdp.errors import ConfigError
 
 _LAZY = {
-    "train": "tfdp.training", "prepare": "tfdp.training", "run": "tfdp.training",
+    "train": "tfdp.training",
+    "prepare": "tfdp.training",
+    "run": "tfdp.training",
     "build_trainer": "tfdp.training",
-    "build_model": "tfdp.models", "lenet": "tfdp.models", "toy_mlp": "tfdp.models",
+    "build_model": "tfdp.models",
+    "lenet": "tfdp.models",
+    "toy_mlp": "tfdp.models",
     "initial_weights": "tfdp.models",
-    "load_mnist": "tfdp.data", "make_toy_data": "tfdp.data", "train_dataset": "tfdp.data",
-    "MirroredTrainer": "tfdp.mirrored", "WeightedTrainer": "tfdp.weighted",
+    "load_mnist": "tfdp.data",
+    "make_toy_data": "tfdp.data",
+    "train_dataset": "tfdp.data",
+    "MirroredTrainer": "tfdp.mirrored",
+    "WeightedTrainer": "tfdp.weighted",
 }
 
 __all__ = ["Config", "ConfigError", "configure_logical_devices", "split_batch", *_LAZY]

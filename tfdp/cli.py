@@ -18,34 +18,59 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app, flags, logging  # noqa: E402
 
 from tfdp.config import DATASETS, INITS, MODELS, MODES, Config  # noqa: E402
+from tfdp.devices import configure_logical_devices  # noqa: E402
 from tfdp.errors import ConfigError  # noqa: E402
 
 FLAGS = flags.FLAGS
 _DEFAULTS = Config()
 
-flags.DEFINE_enum("mode", _DEFAULTS.mode, MODES,
-                  "single: one device; mirrored: tf.distribute.MirroredStrategy; "
-                  "weighted: the tutorial's shards split by --powers, summed on device 0.")
+flags.DEFINE_enum(
+    "mode",
+    _DEFAULTS.mode,
+    MODES,
+    "single: one device; mirrored: tf.distribute.MirroredStrategy; "
+    "weighted: the tutorial's shards split by --powers, summed on device 0.",
+)
 flags.DEFINE_enum("model", _DEFAULTS.model, MODELS, "LeNet-5 or the tutorial's toy MLP.")
 flags.DEFINE_enum("dataset", None, DATASETS, "Default: the model's own (lenet: mnist, toy: toy).")
-flags.DEFINE_string("devices", _DEFAULTS.devices,
-                    "Comma list such as cpu:0,gpu:0,gpu:1, or 'all' (every GPU, else every "
-                    "logical CPU). Default: single -> the first GPU or the CPU; others -> all.")
-flags.DEFINE_list("powers", [], "weighted: one relative speed per device, e.g. 1,5. Default: equal.")
-flags.DEFINE_integer("logical_cpus", 0, "Split the host CPU into N logical devices (0: keep it whole).")
-flags.DEFINE_integer("logical_gpus", 0, "Split GPU 0 into N logical devices (0: keep GPUs as they are).")
+flags.DEFINE_string(
+    "devices",
+    _DEFAULTS.devices,
+    "Comma list such as cpu:0,gpu:0,gpu:1, or 'all' (every GPU, else every "
+    "logical CPU). Default: single -> the first GPU or the CPU; others -> all.",
+)
+flags.DEFINE_list(
+    "powers", [], "weighted: one relative speed per device, e.g. 1,5. Default: equal."
+)
+flags.DEFINE_integer(
+    "logical_cpus", 0, "Split the host CPU into N logical devices (0: keep it whole)."
+)
+flags.DEFINE_integer(
+    "logical_gpus", 0, "Split GPU 0 into N logical devices (0: keep GPUs as they are)."
+)
 flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size, "Global batch size, over all devices.")
 flags.DEFINE_integer("iterations", _DEFAULTS.iterations, "Training steps.")
 flags.DEFINE_float("learning_rate", _DEFAULTS.learning_rate, "Plain SGD learning rate.")
 flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the initial weights and of the batch order.")
-flags.DEFINE_enum("init", _DEFAULTS.init, INITS,
-                  "tutorial: weights U(-0.1, 0.1), biases 0; keras: Keras' default initialisers.")
+flags.DEFINE_enum(
+    "init",
+    _DEFAULTS.init,
+    INITS,
+    "tutorial: weights U(-0.1, 0.1), biases 0; keras: Keras' default initialisers.",
+)
 flags.DEFINE_integer("hidden_units", _DEFAULTS.hidden_units, "Hidden units of the toy MLP.")
 flags.DEFINE_integer("log_every", _DEFAULTS.log_every, "Log the accuracy every N iterations.")
-flags.DEFINE_string("data_dir", None, "tensorflow-datasets data directory (default: TFDS_DATA_DIR "
-                    "or tensorflow-datasets' own).")
-flags.DEFINE_string("mnist_dir", None, "Directory of the four MNIST IDX .gz files; read instead "
-                    "of tensorflow-datasets, never downloads. Default: $TFDP_MNIST_DIR.")
+flags.DEFINE_string(
+    "data_dir",
+    None,
+    "tensorflow-datasets data directory (default: TFDS_DATA_DIR or tensorflow-datasets' own).",
+)
+flags.DEFINE_string(
+    "mnist_dir",
+    None,
+    "Directory of the four MNIST IDX .gz files; read instead "
+    "of tensorflow-datasets, never downloads. Default: $TFDP_MNIST_DIR.",
+)
 flags.DEFINE_string("result_json", None, "Write the run's result here as JSON.")
 
 
@@ -72,11 +97,21 @@ def _powers_from_flag(values: list[str]) -> tuple[float, ...]:
 def config_from_flags() -> Config:
     """The run's Config; raises ConfigError naming the bad flag."""
     return Config(
-        mode=FLAGS.mode, model=FLAGS.model, dataset=FLAGS.dataset, devices=FLAGS.devices,
-        powers=_powers_from_flag(FLAGS.powers), batch_size=FLAGS.batch_size,
-        iterations=FLAGS.iterations, learning_rate=FLAGS.learning_rate, seed=FLAGS.seed,
-        init=FLAGS.init, hidden_units=FLAGS.hidden_units, log_every=FLAGS.log_every,
-        data_dir=FLAGS.data_dir, mnist_dir=FLAGS.mnist_dir)
+        mode=FLAGS.mode,
+        model=FLAGS.model,
+        dataset=FLAGS.dataset,
+        devices=FLAGS.devices,
+        powers=_powers_from_flag(FLAGS.powers),
+        batch_size=FLAGS.batch_size,
+        iterations=FLAGS.iterations,
+        learning_rate=FLAGS.learning_rate,
+        seed=FLAGS.seed,
+        init=FLAGS.init,
+        hidden_units=FLAGS.hidden_units,
+        log_every=FLAGS.log_every,
+        data_dir=FLAGS.data_dir,
+        mnist_dir=FLAGS.mnist_dir,
+    )
 
 
 def check_writable(field: str, path: str | None) -> None:
@@ -103,13 +138,12 @@ def main(argv: list[str]) -> None:
     if not FLAGS["verbosity"].present:
         # tf.distribute logs every all-reduce it builds at INFO; the run's own output is enough.
         logging.set_verbosity(logging.WARNING)
-    from tfdp.devices import configure_logical_devices
-    from tfdp import training
-
     try:
         config = config_from_flags()
         check_writable("result_json", FLAGS.result_json)
         configure_logical_devices(FLAGS.logical_cpus, FLAGS.logical_gpus)
+        from tfdp import training  # imports TensorFlow: after the checks that need none
+
         plan = training.prepare(config)
     except ConfigError as error:
         _fail(f"{_flag_text(error.field, error.value)}: {error.reason}")

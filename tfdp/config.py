@@ -19,19 +19,19 @@ DATASET_OF_MODEL = {"lenet": "mnist", "toy": "toy"}
 class Config:
     """One training run. Defaults reproduce the MXNet tutorial's LeNet run."""
 
-    mode: str = "single"          # single | mirrored | weighted
-    model: str = "lenet"          # lenet | toy
-    dataset: str | None = None    # None: the model's own (lenet: mnist, toy: toy)
-    devices: str = ""             # comma list or 'all'; '': single -> first device, others -> all
+    mode: str = "single"  # single | mirrored | weighted
+    model: str = "lenet"  # lenet | toy
+    dataset: str | None = None  # None: the model's own (lenet: mnist, toy: toy)
+    devices: str = ""  # comma list or 'all'; '': single -> first device, others -> all
     powers: tuple[float, ...] = ()  # weighted: one relative speed per device; (): equal
-    batch_size: int = 1024        # global batch, as in the tutorial's LeNet run
-    iterations: int = 50          # the tutorial runs 50
-    learning_rate: float = 0.1    # the tutorial's plain SGD step
-    seed: int = 0                 # initial weights and batch order, identical in every mode
-    init: str = "tutorial"        # tutorial: U(-0.1, 0.1) weights, zero biases; keras: Keras defaults
-    hidden_units: int = 64        # the toy MLP's hidden layer
-    log_every: int = 10           # the tutorial logs every 10 iterations
-    data_dir: str | None = None   # tensorflow-datasets directory (else TFDS_DATA_DIR or its default)
+    batch_size: int = 1024  # global batch, as in the tutorial's LeNet run
+    iterations: int = 50  # the tutorial runs 50
+    learning_rate: float = 0.1  # the tutorial's plain SGD step
+    seed: int = 0  # initial weights and batch order, identical in every mode
+    init: str = "tutorial"  # tutorial: U(-0.1, 0.1) weights, zero biases; keras: Keras defaults
+    hidden_units: int = 64  # the toy MLP's hidden layer
+    log_every: int = 10  # the tutorial logs every 10 iterations
+    data_dir: str | None = None  # tensorflow-datasets directory (else TFDS_DATA_DIR or its default)
     mnist_dir: str | None = None  # local IDX files (else TFDP_MNIST_DIR); never downloads
 
     def __post_init__(self):
@@ -62,17 +62,22 @@ def validate(config: Config) -> None:
     for field in ("batch_size", "iterations", "log_every", "hidden_units"):
         _positive_int(config, field)
     if DATASET_OF_MODEL[config.model] != config.dataset:
-        raise ConfigError("dataset", config.dataset,
-                          f"model {config.model} trains on dataset {DATASET_OF_MODEL[config.model]}")
+        raise ConfigError(
+            "dataset",
+            config.dataset,
+            f"model {config.model} trains on dataset {DATASET_OF_MODEL[config.model]}",
+        )
     lr = config.learning_rate
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
         raise ConfigError("learning_rate", lr, "must be a positive finite number")
     if isinstance(config.seed, bool) or not isinstance(config.seed, int) or config.seed < 0:
         raise ConfigError("seed", config.seed, "must be a non-negative integer")
     if config.powers and config.mode != "weighted":
-        raise ConfigError("powers", config.powers,
-                          f"applies to mode weighted only, not {config.mode}")
+        raise ConfigError(
+            "powers", config.powers, f"applies to mode weighted only, not {config.mode}"
+        )
     for p in config.powers:
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p <= 0:
-            raise ConfigError("powers", config.powers,
-                              f"every power must be a positive finite number, got {p!r}")
+            raise ConfigError(
+                "powers", config.powers, f"every power must be a positive finite number, got {p!r}"
+            )

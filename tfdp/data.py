@@ -147,9 +147,7 @@ def load_mnist_tfds(split="train", data_dir=None):
     """
     import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  # slow import
 
-    dataset = tfds.load(
-        "mnist", split=split, data_dir=data_dir, as_supervised=True, batch_size=-1
-    )
+    dataset = tfds.load("mnist", split=split, data_dir=data_dir, as_supervised=True, batch_size=-1)
     images, labels = tfds.as_numpy(dataset)
     return Arrays(images=images.astype(np.uint8), labels=labels.astype(np.int32))
 
@@ -186,8 +184,11 @@ def make_toy_data(seed, num_examples=10000, num_classes=10, num_features=128, si
     Returns:
         Arrays with float32 features (N, num_features) and int32 labels (N,).
     """
-    for name, value in (("num_examples", num_examples), ("num_classes", num_classes),
-                        ("num_features", num_features)):
+    for name, value in (
+        ("num_examples", num_examples),
+        ("num_classes", num_classes),
+        ("num_features", num_features),
+    ):
         if value < 1:
             raise ConfigError(name, value, "must be >= 1")
     if sigma < 0:

@@ -40,19 +40,26 @@ def split_batch(global_batch: int, powers: Sequence[float]) -> list[int]:
         if isinstance(p, bool) or not isinstance(p, (int, float)):
             raise ConfigError("powers", powers, f"{p!r} is not a number")
         if not math.isfinite(p) or p <= 0:
-            raise ConfigError("powers", powers,
-                                                f"every power must be a positive finite number, got {p}")
+            raise ConfigError(
+                "powers", powers, f"every power must be a positive finite number, got {p}"
+            )
     if isinstance(global_batch, bool) or not isinstance(global_batch, int):
         raise ConfigError("global_batch", global_batch, "must be an integer")
     if global_batch < len(powers):
         raise ConfigError(
-                "global_batch", global_batch,
-                f"is smaller than the number of devices ({len(powers)}); every device "
-                "needs at least one example")
+            "global_batch",
+            global_batch,
+            f"is smaller than the number of devices ({len(powers)}); every device "
+            "needs at least one example",
+        )
 
     # Exact rational arithmetic, so that ties are real ties, not float noise.
-    exact = [fractions.Fraction(global_batch) * fractions.Fraction(p)
-                      / sum(map(fractions.Fraction, powers)) for p in powers]
+    exact = [
+        fractions.Fraction(global_batch)
+        * fractions.Fraction(p)
+        / sum(map(fractions.Fraction, powers))
+        for p in powers
+    ]
     shares = [math.floor(e) for e in exact]
     missing = global_batch - sum(shares)
     by_remainder = sorted(range(len(powers)), key=lambda i: (shares[i] - exact[i], i))
@@ -62,9 +69,11 @@ def split_batch(global_batch: int, powers: Sequence[float]) -> list[int]:
     if min(shares) == 0:
         starved = shares.index(0)
         raise ConfigError(
-                "powers", powers,
-                f"device {starved} would get 0 of {global_batch} examples; raise its "
-                "power or the batch size")
+            "powers",
+            powers,
+            f"device {starved} would get 0 of {global_batch} examples; raise its "
+            "power or the batch size",
+        )
     return shares
 
 
@@ -77,16 +86,16 @@ def even_split(global_batch: int, num_replicas: int) -> list[int]:
     update exact for uneven splits too.
     """
     per_replica = -(-global_batch // num_replicas)
-    return [max(0, min(per_replica, global_batch - i * per_replica))
-                    for i in range(num_replicas)]
+    return [max(0, min(per_replica, global_batch - i * per_replica)) for i in range(num_replicas)]
 
 
 def canonical_name(spec: str) -> str:
     """'cpu:0', '/GPU:1', '/device:CPU:0', 'gpu' -> '/device:GPU:0' form."""
     match = _DEVICE_RE.match(spec.strip())
     if not match:
-        raise ConfigError("devices", spec,
-                                            "is not a device name; use cpu:N or gpu:N, e.g. cpu:0,gpu:0")
+        raise ConfigError(
+            "devices", spec, "is not a device name; use cpu:N or gpu:N, e.g. cpu:0,gpu:0"
+        )
     kind, index = match.group(1).upper(), int(match.group(2) or 0)
     return f"/device:{kind}:{index}"
 
@@ -125,17 +134,23 @@ def parse_devices(spec: str, available: Sequence[str]) -> list[str]:
     missing = [short_name(d) for d in devices if d not in available]
     if missing:
         raise ConfigError(
-                "devices", spec,
-                f"{', '.join(missing)} does not exist here; the devices are "
-                f"{', '.join(short_name(d) for d in available)}")
+            "devices",
+            spec,
+            f"{', '.join(missing)} does not exist here; the devices are "
+            f"{', '.join(short_name(d) for d in available)}",
+        )
     return devices
 
 
 def available_devices() -> list[str]:
     """Canonical names of the logical CPUs and GPUs TensorFlow can use."""
     import tensorflow as tf
-    return [_canonical_logical_name(d.name)
-                    for kind in ("CPU", "GPU") for d in tf.config.list_logical_devices(kind)]
+
+    return [
+        _canonical_logical_name(d.name)
+        for kind in ("CPU", "GPU")
+        for d in tf.config.list_logical_devices(kind)
+    ]
 
 
 def _canonical_logical_name(name: str) -> str:
@@ -143,8 +158,9 @@ def _canonical_logical_name(name: str) -> str:
     return "/device:" + name.rsplit("device:", 1)[-1]
 
 
-def configure_logical_devices(logical_cpus: int = 0, logical_gpus: int = 0,
-                                                            gpu_memory_mb: int = 1024) -> None:
+def configure_logical_devices(
+    logical_cpus: int = 0, logical_gpus: int = 0, gpu_memory_mb: int = 1024
+) -> None:
     """Splits the host CPU (and GPU 0) into logical devices.
 
     Must run before TensorFlow initialises its runtime, i.e. before the first op
@@ -157,19 +173,28 @@ def configure_logical_devices(logical_cpus: int = 0, logical_gpus: int = 0,
         logical_gpus: 0 keeps GPUs as they are, N > 0 splits GPU 0 into N.
         gpu_memory_mb: memory limit of each logical GPU.
     """
-    import tensorflow as tf
     if logical_cpus < 0:
         raise ConfigError("logical_cpus", logical_cpus, "must be 0 (keep the CPU whole) or more")
     if logical_gpus < 0:
         raise ConfigError("logical_gpus", logical_gpus, "must be 0 (keep GPUs as they are) or more")
+    import tensorflow as tf
+
     if logical_cpus:
         cpu = tf.config.list_physical_devices("CPU")[0]
-        _set_logical(tf, cpu, [tf.config.LogicalDeviceConfiguration()] * logical_cpus,
-                                  "logical_cpus", logical_cpus, "CPU")
+        _set_logical(
+            tf,
+            cpu,
+            [tf.config.LogicalDeviceConfiguration()] * logical_cpus,
+            "logical_cpus",
+            logical_cpus,
+            "CPU",
+        )
     if logical_gpus:
         gpus = tf.config.list_physical_devices("GPU")
         if not gpus:
-            raise ConfigError("logical_gpus", logical_gpus, "needs a GPU, and this machine has none")
+            raise ConfigError(
+                "logical_gpus", logical_gpus, "needs a GPU, and this machine has none"
+            )
         config = tf.config.LogicalDeviceConfiguration(memory_limit=gpu_memory_mb)
         _set_logical(tf, gpus[0], [config] * logical_gpus, "logical_gpus", logical_gpus, "GPU")
 
@@ -181,7 +206,9 @@ def _set_logical(tf, physical, configs, field, count, kind):
         existing = len(tf.config.list_logical_devices(kind))
         if existing != count:
             raise ConfigError(
-                    field, count,
-                    f"TensorFlow has already started with {existing} logical {kind}(s); "
-                    "logical devices can only be set once per process, before TensorFlow "
-                    "initialises") from error
+                field,
+                count,
+                f"TensorFlow has already started with {existing} logical {kind}(s); "
+                "logical devices can only be set once per process, before TensorFlow "
+                "initialises",
+            ) from error

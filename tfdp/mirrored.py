@@ -31,7 +31,8 @@ class MirroredTrainer:
         self.global_batch_size = global_batch_size
         self.shards = even_split(global_batch_size, len(self.devices))
         self.strategy = tf.distribute.MirroredStrategy(
-            self.devices, cross_device_ops=cross_device_ops_for(self.devices))
+            self.devices, cross_device_ops=cross_device_ops_for(self.devices)
+        )
         with self.strategy.scope():
             self.model = make_model()
             self.model.set_weights(weights)
@@ -50,8 +51,10 @@ class MirroredTrainer:
     def _step(self, iterator):
         x, y = next(iterator)
         per_replica = self.strategy.run(self._replica_step, args=(x, y))
-        return {key: self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
-                for key, value in per_replica.items()}
+        return {
+            key: self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+            for key, value in per_replica.items()
+        }
 
     def _replica_step(self, x, y):
         gradients, metrics = replica_gradients(self.model, x, y, self.global_batch_size)

@@ -21,37 +21,51 @@ def _initializers(init: str, seed: int, layer: int):
 
 def lenet(init: str = "tutorial", seed: int = 0, num_classes: int = 10) -> keras.Model:
     """LeNet-5 as in the tutorial; outputs logits (softmax is in the loss)."""
+
     def weights(layer):
         kernel, bias = _initializers(init, seed, layer)
         return dict(kernel_initializer=kernel, bias_initializer=bias)
 
-    return keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Conv2D(20, 5, activation="tanh", **weights(0)),
-        keras.layers.MaxPooling2D(2, strides=2),
-        keras.layers.Conv2D(50, 5, activation="tanh", **weights(1)),
-        keras.layers.MaxPooling2D(2, strides=2),
-        keras.layers.Flatten(),
-        keras.layers.Dense(500, activation="tanh", **weights(2)),
-        keras.layers.Dense(num_classes, **weights(3)),
-    ], name="lenet")
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(20, 5, activation="tanh", **weights(0)),
+            keras.layers.MaxPooling2D(2, strides=2),
+            keras.layers.Conv2D(50, 5, activation="tanh", **weights(1)),
+            keras.layers.MaxPooling2D(2, strides=2),
+            keras.layers.Flatten(),
+            keras.layers.Dense(500, activation="tanh", **weights(2)),
+            keras.layers.Dense(num_classes, **weights(3)),
+        ],
+        name="lenet",
+    )
 
 
-def toy_mlp(init: str = "tutorial", seed: int = 0, num_features: int = 128,
-            hidden_units: int = 64, num_classes: int = 10) -> keras.Model:
+def toy_mlp(
+    init: str = "tutorial",
+    seed: int = 0,
+    num_features: int = 128,
+    hidden_units: int = 64,
+    num_classes: int = 10,
+) -> keras.Model:
     """The tutorial's small MLP: one hidden relu layer; outputs logits."""
     kernel0, bias0 = _initializers(init, seed, 0)
     kernel1, bias1 = _initializers(init, seed, 1)
-    return keras.Sequential([
-        keras.Input((num_features,)),
-        keras.layers.Dense(hidden_units, activation="relu",
-                           kernel_initializer=kernel0, bias_initializer=bias0),
-        keras.layers.Dense(num_classes, kernel_initializer=kernel1, bias_initializer=bias1),
-    ], name="toy")
+    return keras.Sequential(
+        [
+            keras.Input((num_features,)),
+            keras.layers.Dense(
+                hidden_units, activation="relu", kernel_initializer=kernel0, bias_initializer=bias0
+            ),
+            keras.layers.Dense(num_classes, kernel_initializer=kernel1, bias_initializer=bias1),
+        ],
+        name="toy",
+    )
 
 
-def build_model(name: str, init: str = "tutorial", seed: int = 0,
-                hidden_units: int = 64) -> keras.Model:
+def build_model(
+    name: str, init: str = "tutorial", seed: int = 0, hidden_units: int = 64
+) -> keras.Model:
     """A fresh model by name; the same arguments give the same initial weights."""
     if name == "lenet":
         return lenet(init, seed)
@@ -60,13 +74,15 @@ def build_model(name: str, init: str = "tutorial", seed: int = 0,
     raise ConfigError("model", name, "must be one of lenet, toy")
 
 
-def initial_weights(name: str, init: str = "tutorial", seed: int = 0,
-                    hidden_units: int = 64) -> list[np.ndarray]:
+def initial_weights(
+    name: str, init: str = "tutorial", seed: int = 0, hidden_units: int = 64
+) -> list[np.ndarray]:
     """The initial weights every mode starts from, made once on the host CPU.
 
     Every trainer builds its own model copies and sets these, so no mode
     depends on how a device or a strategy would run the initialisers.
     """
     import tensorflow as tf
+
     with tf.device("/device:CPU:0"):
         return build_model(name, init, seed, hidden_units).get_weights()

@@ -8,6 +8,7 @@ dict that `--result_json` writes; `train` is the two in one call.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Callable
@@ -21,6 +22,7 @@ from tfdp.errors import ConfigError
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A validated run: where each example of a global batch goes, and the data."""
+
     config: Config
     devices: list[str]
     shards: list[int]
@@ -41,21 +43,29 @@ def partition(config: Config, devices: list[str]) -> list[int]:
     if config.mode == "single" and n != 1:
         raise ConfigError("devices", config.devices, f"mode single runs on one device, got {n}")
     if batch < n:
-        raise ConfigError("batch_size", batch,
-                          f"is smaller than the number of devices ({n}); every device "
-                          "needs at least one example")
+        raise ConfigError(
+            "batch_size",
+            batch,
+            f"is smaller than the number of devices ({n}); every device needs at least one example",
+        )
     if config.mode == "mirrored":
         shards = even_split(batch, n)
         if 0 in shards:
-            raise ConfigError("batch_size", batch,
-                              f"tf.distribute would split it {shards} over {n} replicas, "
-                              f"leaving one idle; use a multiple of {n} or mode weighted")
+            raise ConfigError(
+                "batch_size",
+                batch,
+                f"tf.distribute would split it {shards} over {n} replicas, "
+                f"leaving one idle; use a multiple of {n} or mode weighted",
+            )
         return shards
     powers = config.powers or (1.0,) * n
     if len(powers) != n:
-        raise ConfigError("powers", config.powers,
-                          f"has {len(powers)} values for {n} devices "
-                          f"({', '.join(short_name(d) for d in devices)})")
+        raise ConfigError(
+            "powers",
+            config.powers,
+            f"has {len(powers)} values for {n} devices "
+            f"({', '.join(short_name(d) for d in devices)})",
+        )
     return split_batch(batch, powers)
 
 
@@ -74,9 +84,11 @@ def load_train_data(config: Config) -> data_lib.Arrays:
         return data_lib.load_mnist_tfds("train", config.data_dir)
     except Exception as error:  # tensorflow-datasets raises many kinds on download or read
         raise ConfigError(
-            "data_dir", config.data_dir,
+            "data_dir",
+            config.data_dir,
             f"MNIST through tensorflow-datasets failed ({type(error).__name__}: {error}); "
-            f"offline, point --mnist_dir or {data_lib.MNIST_DIR_ENV} at the four IDX files") from error
+            f"offline, point --mnist_dir or {data_lib.MNIST_DIR_ENV} at the four IDX files",
+        ) from error
 
 
 def prepare(config: Config) -> Plan:
@@ -86,23 +98,29 @@ def prepare(config: Config) -> Plan:
     shards = partition(config, devices)
     train_data = load_train_data(config)
     if config.batch_size > len(train_data):
-        raise ConfigError("batch_size", config.batch_size,
-                          f"is larger than the {len(train_data)} training examples")
+        raise ConfigError(
+            "batch_size",
+            config.batch_size,
+            f"is larger than the {len(train_data)} training examples",
+        )
     return Plan(config, devices, shards, train_data)
 
 
 def build_trainer(config: Config, devices: list[str], shards: list[int]):
     """The mode's trainer, with every model copy starting from the seed's weights."""
-    from tfdp.models import build_model, initial_weights
     from tfdp.mirrored import MirroredTrainer
+    from tfdp.models import build_model, initial_weights
     from tfdp.weighted import WeightedTrainer
 
-    model_args = dict(name=config.model, init=config.init, seed=config.seed,
-                      hidden_units=config.hidden_units)
+    model_args = dict(
+        name=config.model, init=config.init, seed=config.seed, hidden_units=config.hidden_units
+    )
     weights = initial_weights(**model_args)
-    make_model = lambda: build_model(**model_args)
+    make_model = functools.partial(build_model, **model_args)
     if config.mode == "mirrored":
-        return MirroredTrainer(make_model, weights, devices, config.batch_size, config.learning_rate)
+        return MirroredTrainer(
+            make_model, weights, devices, config.batch_size, config.learning_rate
+        )
     # single is the weighted algorithm on one device: no split, no copies.
     return WeightedTrainer(make_model, weights, devices, shards, config.learning_rate)
 
@@ -115,7 +133,8 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
     config = plan.config
     trainer = build_trainer(config, plan.devices, plan.shards)
     iterator = trainer.distribute(
-        data_lib.train_dataset(plan.train_data, config.batch_size, config.seed))
+        data_lib.train_dataset(plan.train_data, config.batch_size, config.seed)
+    )
     log(f"workload partition: {[(short_name(d), n) for d, n in zip(plan.devices, plan.shards)]}")
 
     history = []
@@ -137,12 +156,17 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
 
     steady_steps = config.iterations - 1
     steady_seconds = seconds - first_step_seconds
-    images_per_second = (steady_steps * config.batch_size / steady_seconds if steady_steps
-                         else config.batch_size / seconds)
-    log(f"time for {config.iterations} iterations of {config.model} on "
+    images_per_second = (
+        steady_steps * config.batch_size / steady_seconds
+        if steady_steps
+        else config.batch_size / seconds
+    )
+    log(
+        f"time for {config.iterations} iterations of {config.model} on "
         f"{len(plan.devices)} device(s), mode {config.mode}: {seconds:f} sec "
         f"(first step {first_step_seconds:.2f} sec with tracing; then "
-        f"{images_per_second:.0f} images/sec)")
+        f"{images_per_second:.0f} images/sec)"
+    )
     return {
         "mode": config.mode,
         "model": config.model,

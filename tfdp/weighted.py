@@ -57,10 +57,12 @@ class WeightedTrainer:
         x, y = next(iterator)
         gradients, metrics = [], []
         for device, model, x_shard, y_shard in zip(
-                self.devices, self.models, tf.split(x, self.shards), tf.split(y, self.shards)):
+            self.devices, self.models, tf.split(x, self.shards), tf.split(y, self.shards)
+        ):
             with tf.device(device):
                 shard_gradients, shard_metrics = replica_gradients(
-                    model, x_shard, y_shard, self.global_batch_size)
+                    model, x_shard, y_shard, self.global_batch_size
+                )
             gradients.append(shard_gradients)
             metrics.append(shard_metrics)
         master = self.models[0]
