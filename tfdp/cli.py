@@ -17,7 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags, logging  # noqa: E402
 
-from tfdp.config import DATASETS, INITS, MODELS, MODES, Config  # noqa: E402
+from tfdp.config import DATASETS, DEFAULT_ITERATIONS, INITS, MODELS, MODES, Config  # noqa: E402
 from tfdp.devices import configure_logical_devices  # noqa: E402
 from tfdp.errors import ConfigError  # noqa: E402
 
@@ -49,7 +49,29 @@ flags.DEFINE_integer(
     "logical_gpus", 0, "Split GPU 0 into N logical devices (0: keep GPUs as they are)."
 )
 flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size, "Global batch size, over all devices.")
-flags.DEFINE_integer("iterations", _DEFAULTS.iterations, "Training steps.")
+flags.DEFINE_integer(
+    "iterations", None, f"Training steps (default {DEFAULT_ITERATIONS}, as the tutorial)."
+)
+flags.DEFINE_integer("epochs", None, "Train for this many epochs instead of --iterations.")
+flags.DEFINE_integer(
+    "eval_every", _DEFAULTS.eval_every, "Test-set accuracy every N steps (0: only at the end)."
+)
+flags.DEFINE_string(
+    "model_dir",
+    None,
+    "Checkpoints, TensorBoard logs, model.keras and result.json go here; a re-run with the "
+    "same directory resumes from its latest checkpoint.",
+)
+flags.DEFINE_integer(
+    "checkpoint_every", _DEFAULTS.checkpoint_every, "Steps between checkpoints (and at the end)."
+)
+flags.DEFINE_integer("keep_checkpoints", _DEFAULTS.keep_checkpoints, "Checkpoints to keep.")
+flags.DEFINE_enum(
+    "progress",
+    "auto",
+    ["auto", "always", "never"],
+    "Live progress line on stderr (auto: on a terminal).",
+)
 flags.DEFINE_float("learning_rate", _DEFAULTS.learning_rate, "Plain SGD learning rate.")
 flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the initial weights and of the batch order.")
 flags.DEFINE_enum(
@@ -74,10 +96,10 @@ flags.DEFINE_string(
 flags.DEFINE_string("result_json", None, "Write the run's result here as JSON.")
 
 
-def _fail(message: str) -> None:
-    """One line on stderr, usage exit status; no traceback."""
+def _fail(message: str, status: int = 2) -> None:
+    """One line on stderr and an exit status (2: usage, as absl's); no traceback."""
     print(f"tfdp: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(status)
 
 
 def _flag_text(field: str, value) -> str:
@@ -111,6 +133,12 @@ def config_from_flags() -> Config:
         log_every=FLAGS.log_every,
         data_dir=FLAGS.data_dir,
         mnist_dir=FLAGS.mnist_dir,
+        epochs=FLAGS.epochs,
+        eval_every=FLAGS.eval_every,
+        model_dir=FLAGS.model_dir,
+        checkpoint_every=FLAGS.checkpoint_every,
+        keep_checkpoints=FLAGS.keep_checkpoints,
+        progress={"always": True, "never": False}.get(FLAGS.progress, sys.stderr.isatty()),
     )
 
 
@@ -147,7 +175,10 @@ def main(argv: list[str]) -> None:
         plan = training.prepare(config)
     except ConfigError as error:
         _fail(f"{_flag_text(error.field, error.value)}: {error.reason}")
-    result = training.run(plan)
+    try:
+        result = training.run(plan)
+    except training.NonFiniteLoss as error:
+        _fail(str(error), status=1)
     if FLAGS.result_json:
         write_json(FLAGS.result_json, result)
 

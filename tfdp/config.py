@@ -13,6 +13,7 @@ DATASETS = ("mnist", "toy")
 INITS = ("tutorial", "keras")
 # Each model reads one kind of input.
 DATASET_OF_MODEL = {"lenet": "mnist", "toy": "toy"}
+DEFAULT_ITERATIONS = 50  # the tutorial's run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +26,8 @@ class Config:
     devices: str = ""  # comma list or 'all'; '': single -> first device, others -> all
     powers: tuple[float, ...] = ()  # weighted: one relative speed per device; (): equal
     batch_size: int = 1024  # global batch, as in the tutorial's LeNet run
-    iterations: int = 50  # the tutorial runs 50
+    iterations: int | None = None  # training steps; None: `epochs` if set, else the tutorial's 50
+    epochs: int | None = None  # train for whole epochs instead of `iterations`
     learning_rate: float = 0.1  # the tutorial's plain SGD step
     seed: int = 0  # initial weights and batch order, identical in every mode
     init: str = "tutorial"  # tutorial: U(-0.1, 0.1) weights, zero biases; keras: Keras defaults
@@ -33,6 +35,11 @@ class Config:
     log_every: int = 10  # the tutorial logs every 10 iterations
     data_dir: str | None = None  # tensorflow-datasets directory (else TFDS_DATA_DIR or its default)
     mnist_dir: str | None = None  # local IDX files (else TFDP_MNIST_DIR); never downloads
+    eval_every: int = 0  # test-set accuracy every N steps; 0: at the end only (always at the end)
+    model_dir: str | None = None  # checkpoints, TensorBoard logs, model.keras, result.json
+    checkpoint_every: int = 100  # steps between checkpoints (and one at the end)
+    keep_checkpoints: int = 3  # the newest few are kept
+    progress: bool = False  # a live progress line on stderr
 
     def __post_init__(self):
         if self.dataset is None:
@@ -59,8 +66,25 @@ def validate(config: Config) -> None:
     _choice(config, "model", MODELS)
     _choice(config, "dataset", DATASETS)
     _choice(config, "init", INITS)
-    for field in ("batch_size", "iterations", "log_every", "hidden_units"):
+    for field in (
+        "batch_size",
+        "log_every",
+        "hidden_units",
+        "checkpoint_every",
+        "keep_checkpoints",
+    ):
         _positive_int(config, field)
+    for field in ("iterations", "epochs"):
+        if getattr(config, field) is not None:
+            _positive_int(config, field)
+    if config.iterations is not None and config.epochs is not None:
+        raise ConfigError(
+            "epochs", config.epochs, f"and iterations={config.iterations} both set; give one"
+        )
+    if isinstance(config.eval_every, bool) or not isinstance(config.eval_every, int):
+        raise ConfigError("eval_every", config.eval_every, "must be an integer")
+    if config.eval_every < 0:
+        raise ConfigError("eval_every", config.eval_every, "must be 0 (at the end only) or more")
     if DATASET_OF_MODEL[config.model] != config.dataset:
         raise ConfigError(
             "dataset",

@@ -171,7 +171,9 @@ def load_mnist(split="train", mnist_dir=None, data_dir=None):
     return load_mnist_tfds(split, data_dir=data_dir)
 
 
-def make_toy_data(seed, num_examples=10000, num_classes=10, num_features=128, sigma=0.1):
+def make_toy_data(
+    seed, num_examples=10000, num_classes=10, num_features=128, sigma=0.1, split="train"
+):
     """Makes the MXNet tutorial's toy data: Gaussian clusters around random class centres.
 
     Args:
@@ -180,6 +182,7 @@ def make_toy_data(seed, num_examples=10000, num_classes=10, num_features=128, si
         num_classes: number of classes; labels are balanced over them.
         num_features: length of each feature vector.
         sigma: standard deviation of the noise around each class centre.
+        split: "train", or "test" for other examples around the same centres.
 
     Returns:
         Arrays with float32 features (N, num_features) and int32 labels (N,).
@@ -195,6 +198,10 @@ def make_toy_data(seed, num_examples=10000, num_classes=10, num_features=128, si
         raise ConfigError("sigma", sigma, "must be >= 0")
     rng = np.random.default_rng(seed)
     centres = rng.uniform(size=(num_classes, num_features))
+    if split == "test":
+        rng = np.random.default_rng([seed, 1])  # the same clusters, fresh examples
+    elif split != "train":
+        raise ConfigError("split", split, "must be train or test")
     labels = rng.permutation(np.arange(num_examples) % num_classes)
     noise = rng.standard_normal((num_examples, num_features))
     features = centres[labels] + sigma * noise

@@ -6,8 +6,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdp.data import eval_batches
 from tfdp.devices import even_split
-from tfdp.steps import replica_gradients
+from tfdp.steps import replica_correct, replica_gradients
 
 
 def cross_device_ops_for(devices):
@@ -39,6 +40,7 @@ class MirroredTrainer:
             self.optimizer = keras.optimizers.SGD(learning_rate)
             self.optimizer.build(self.model.trainable_variables)
         self._train_step = tf.function(self._step)
+        self._eval_step = tf.function(self._correct, reduce_retracing=True)
 
     def distribute(self, dataset):
         """Splits each global batch into per-replica batches."""
@@ -61,6 +63,21 @@ class MirroredTrainer:
         # Inside a replica, the optimizer all-reduces (sums) the gradients first.
         self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
         return metrics
+
+    def evaluate(self, arrays) -> float:
+        """Accuracy on `arrays`, each batch split over the replicas."""
+        batches = self.strategy.experimental_distribute_dataset(
+            eval_batches(arrays, self.global_batch_size)
+        )
+        correct = sum(float(self._eval_step(x, y)) for x, y in batches)
+        return correct / len(arrays)
+
+    def _correct(self, x, y):
+        per_replica = self.strategy.run(lambda x, y: replica_correct(self.model, x, y), (x, y))
+        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    def sync_copies(self):
+        """Nothing to do: MirroredVariables keep every replica's copy equal."""
 
     def get_weights(self) -> list[np.ndarray]:
         return self.model.get_weights()

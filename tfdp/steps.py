@@ -36,3 +36,9 @@ def shard_metrics(losses, logits, y):
 def add_metrics(per_shard):
     """Adds the shards' metric dicts key by key."""
     return {key: tf.add_n([m[key] for m in per_shard]) for key in per_shard[0]}
+
+
+def replica_correct(model, x, y):
+    """Number of correct predictions on one shard, in inference mode."""
+    predictions = tf.argmax(model(x, training=False), axis=-1, output_type=y.dtype)
+    return tf.reduce_sum(tf.cast(tf.equal(predictions, y), tf.float32))

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import math
 import os
 import time
 from typing import Callable
 
 from tfdp import data as data_lib
-from tfdp.config import Config
+from tfdp.checkpoints import Checkpointer, check_model_dir, export_model, write_atomically
+from tfdp.config import DEFAULT_ITERATIONS, Config
 from tfdp.devices import available_devices, even_split, parse_devices, short_name, split_batch
 from tfdp.errors import ConfigError
+from tfdp.observe import Progress, Summaries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +31,9 @@ class Plan:
     devices: list[str]
     shards: list[int]
     train_data: data_lib.Arrays
+    test_data: data_lib.Arrays
+    steps_per_epoch: int
+    total_steps: int
 
 
 def default_devices(mode: str, available: list[str]) -> str:
@@ -69,19 +76,20 @@ def partition(config: Config, devices: list[str]) -> list[int]:
     return split_batch(batch, powers)
 
 
-def load_train_data(config: Config) -> data_lib.Arrays:
-    """The training split, with data errors reported against the setting that chose the source."""
+def load_split(config: Config, split: str) -> data_lib.Arrays:
+    """One split of the data, with errors reported against the setting that chose the source."""
     if config.dataset == "toy":
-        return data_lib.make_toy_data(config.seed)
+        size = 10000 if split == "train" else 2000
+        return data_lib.make_toy_data(config.seed, num_examples=size, split=split)
     mnist_dir = config.mnist_dir or os.environ.get(data_lib.MNIST_DIR_ENV) or None
     if mnist_dir:
         field = "mnist_dir" if config.mnist_dir else data_lib.MNIST_DIR_ENV
         try:
-            return data_lib.load_mnist_idx(mnist_dir, "train")
+            return data_lib.load_mnist_idx(mnist_dir, split)
         except (OSError, ValueError) as error:
             raise ConfigError(field, mnist_dir, str(error)) from error
     try:
-        return data_lib.load_mnist_tfds("train", config.data_dir)
+        return data_lib.load_mnist_tfds(split, config.data_dir)
     except Exception as error:  # tensorflow-datasets raises many kinds on download or read
         raise ConfigError(
             "data_dir",
@@ -92,18 +100,27 @@ def load_train_data(config: Config) -> data_lib.Arrays:
 
 
 def prepare(config: Config) -> Plan:
-    """Validates the config against this machine and loads the data."""
+    """Validates the config against this machine and loads the data; writes nothing."""
+    check_model_dir(config)
     available = available_devices()
     devices = parse_devices(config.devices or default_devices(config.mode, available), available)
     shards = partition(config, devices)
-    train_data = load_train_data(config)
+    train_data = load_split(config, "train")
     if config.batch_size > len(train_data):
         raise ConfigError(
             "batch_size",
             config.batch_size,
             f"is larger than the {len(train_data)} training examples",
         )
-    return Plan(config, devices, shards, train_data)
+    steps_per_epoch = len(train_data) // config.batch_size
+    if config.iterations is not None:
+        total_steps = config.iterations
+    elif config.epochs is not None:
+        total_steps = config.epochs * steps_per_epoch
+    else:
+        total_steps = DEFAULT_ITERATIONS
+    test_data = load_split(config, "test")
+    return Plan(config, devices, shards, train_data, test_data, steps_per_epoch, total_steps)
 
 
 def build_trainer(config: Config, devices: list[str], shards: list[int]):
@@ -125,68 +142,175 @@ def build_trainer(config: Config, devices: list[str], shards: list[int]):
     return WeightedTrainer(make_model, weights, devices, shards, config.learning_rate)
 
 
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or infinite; the run stopped without saving that state."""
+
+
+def first_non_finite(pending) -> int | None:
+    """The first step among `(step, loss)` pairs whose loss is not finite."""
+    for step, loss in pending:
+        if not math.isfinite(float(loss)):
+            return step
+    return None
+
+
+def banner(plan: Plan, start_step: int) -> str:
+    """The batch arithmetic, printed once at start."""
+    config, n = plan.config, len(plan.devices)
+    split = " + ".join(str(s) for s in plan.shards)
+    epochs = plan.total_steps / plan.steps_per_epoch
+    text = (
+        f"global batch {config.batch_size} = {split} over {n} device(s), mode {config.mode}; "
+        f"{plan.steps_per_epoch} steps per epoch of {len(plan.train_data)} examples; "
+        f"{plan.total_steps} iterations ({epochs:.2f} epochs) at learning rate {config.learning_rate}"
+    )
+    if start_step:
+        text += f"; resuming at iteration {start_step} from {config.model_dir}"
+    return text
+
+
 def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
-    """Trains as planned; logs like the tutorial; returns the result dict."""
+    """Trains as planned; logs like the tutorial; returns the result dict.
+
+    With `model_dir`, resumes from its latest checkpoint, saves every
+    `checkpoint_every` steps and at the end, writes TensorBoard summaries, the
+    model (model.keras) and the result (result.json).
+    """
     import keras
     import tensorflow as tf
 
     config = plan.config
+    batch = config.batch_size
     trainer = build_trainer(config, plan.devices, plan.shards)
+    checkpointer = Checkpointer(config, trainer) if config.model_dir else None
+    summaries = Summaries(config.model_dir) if config.model_dir else None
+    start_step = checkpointer.restore() if checkpointer else 0
     iterator = trainer.distribute(
-        data_lib.train_dataset(plan.train_data, config.batch_size, config.seed)
+        data_lib.train_dataset(plan.train_data, batch, config.seed, start_step=start_step)
     )
-    log(f"workload partition: {[(short_name(d), n) for d, n in zip(plan.devices, plan.shards)]}")
+    progress = Progress(plan.total_steps, batch, start_step) if config.progress else None
 
-    history = []
+    def say(line):
+        if progress:
+            progress.clear()
+        log(line)
+
+    say(f"workload partition: {[(short_name(d), n) for d, n in zip(plan.devices, plan.shards)]}")
+    say(banner(plan, start_step))
+
+    history, evals, pending = [], [], []
+    metrics = None
+    side_seconds = 0.0  # evaluation and checkpoints, left out of images/s
+    first_step_seconds = 0.0
+
+    def check_finite():
+        bad = first_non_finite(pending)
+        pending.clear()
+        if bad is not None:
+            if progress:
+                progress.close()
+            kept = checkpointer.manager.latest_checkpoint if checkpointer else None
+            raise NonFiniteLoss(
+                f"the loss became non-finite at iteration {bad}; stopped before saving that "
+                + (f"state; the last good checkpoint is {kept}" if kept else "state")
+            )
+
+    def evaluate(step):
+        accuracy = trainer.evaluate(plan.test_data)
+        evals.append({"iteration": step, "test_accuracy": accuracy})
+        say(f"iteration {step}, test accuracy {accuracy:f} ({len(plan.test_data)} examples)")
+        if summaries:
+            summaries.write_eval(step, accuracy)
+
     start = time.perf_counter()
-    first_step_seconds = None
-    for iteration in range(config.iterations):
+    for iteration in range(start_step, plan.total_steps):
         metrics = trainer.train_step(iterator)
-        last = iteration == config.iterations - 1
-        # Reading metrics waits for the device: only at log points and the end.
-        if iteration % config.log_every == 0 or last:
-            accuracy = float(metrics["correct"]) / config.batch_size
-            loss = float(metrics["loss_sum"]) / config.batch_size
+        pending.append((iteration, metrics["loss_sum"]))
+        done = iteration + 1
+        if iteration == start_step:
+            float(metrics["loss_sum"])  # wait for the first step: it includes tracing
+            first_step_seconds = time.perf_counter() - start
+        if iteration % config.log_every == 0 or done == plan.total_steps:
+            check_finite()  # reading metrics waits for the device: only here
+            loss = float(metrics["loss_sum"]) / batch
+            accuracy = float(metrics["correct"]) / batch
             if iteration % config.log_every == 0:
                 history.append({"iteration": iteration, "accuracy": accuracy, "loss": loss})
-                log(f"iteration {iteration}, accuracy {accuracy:f}, loss {loss:f}")
-        if iteration == 0:
-            first_step_seconds = time.perf_counter() - start
+                say(f"iteration {iteration}, accuracy {accuracy:f}, loss {loss:f}")
+                if summaries:
+                    elapsed = time.perf_counter() - start - side_seconds
+                    summaries.write_train(
+                        iteration,
+                        {
+                            "loss": loss,
+                            "accuracy": accuracy,
+                            "learning_rate": config.learning_rate,
+                            "images_per_second": (done - start_step) * batch / max(elapsed, 1e-9),
+                            **{
+                                f"shard/{short_name(d)}": n
+                                for d, n in zip(plan.devices, plan.shards)
+                            },
+                        },
+                    )
+        if progress:
+            progress.update(done, metrics, force=done == plan.total_steps)
+        side_start = time.perf_counter()
+        if config.eval_every and done % config.eval_every == 0 and done != plan.total_steps:
+            evaluate(done)
+        if checkpointer and (done % config.checkpoint_every == 0 or done == plan.total_steps):
+            check_finite()  # never save a state that came from a non-finite loss
+            checkpointer.save(done)
+        side_seconds += time.perf_counter() - side_start
     seconds = time.perf_counter() - start
+    if progress:
+        progress.close()
 
-    steady_steps = config.iterations - 1
-    steady_seconds = seconds - first_step_seconds
+    steps_run = plan.total_steps - start_step
+    steady_seconds = seconds - side_seconds - first_step_seconds
     images_per_second = (
-        steady_steps * config.batch_size / steady_seconds
-        if steady_steps
-        else config.batch_size / seconds
+        (steps_run - 1) * batch / steady_seconds
+        if steps_run > 1
+        else steps_run * batch / max(seconds, 1e-9)
     )
-    log(
-        f"time for {config.iterations} iterations of {config.model} on "
+    say(
+        f"time for {steps_run} iterations of {config.model} on "
         f"{len(plan.devices)} device(s), mode {config.mode}: {seconds:f} sec "
         f"(first step {first_step_seconds:.2f} sec with tracing; then "
         f"{images_per_second:.0f} images/sec)"
     )
-    return {
+    evaluate(plan.total_steps)
+    result = {
         "mode": config.mode,
         "model": config.model,
         "dataset": config.dataset,
         "devices": [short_name(d) for d in plan.devices],
         "shards": plan.shards,
         "powers": list(config.powers) or None,
-        "batch_size": config.batch_size,
-        "iterations": config.iterations,
+        "batch_size": batch,
+        "iterations": plan.total_steps,
+        "start_iteration": start_step,
+        "steps_per_epoch": plan.steps_per_epoch,
         "learning_rate": config.learning_rate,
         "seed": config.seed,
         "init": config.init,
         "log": history,
-        "final_loss": loss,
-        "final_accuracy": accuracy,
+        "final_loss": float(metrics["loss_sum"]) / batch if metrics else None,
+        "final_accuracy": float(metrics["correct"]) / batch if metrics else None,
+        "test_accuracy": evals[-1]["test_accuracy"],
+        "evals": evals,
         "seconds": seconds,
         "first_step_seconds": first_step_seconds,
         "images_per_second": images_per_second,
+        "model_dir": config.model_dir,
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
     }
+    if config.model_dir:
+        summaries.close()
+        export_model(config, trainer.get_weights(), os.path.join(config.model_dir, "model.keras"))
+        write_atomically(
+            os.path.join(config.model_dir, "result.json"), json.dumps(result, indent=2) + "\n"
+        )
+    return result
 
 
 def train(config: Config, log: Callable[[str], None] = print) -> dict:

@@ -16,7 +16,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdp.steps import add_metrics, replica_gradients
+from tfdp.data import eval_batches
+from tfdp.devices import split_batch
+from tfdp.steps import add_metrics, replica_correct, replica_gradients
 
 
 class WeightedTrainer:
@@ -44,6 +46,7 @@ class WeightedTrainer:
             self.optimizer = keras.optimizers.SGD(learning_rate)
             self.optimizer.build(self.models[0].trainable_variables)
         self._train_step = tf.function(self._step)
+        self._eval_step = tf.function(self._correct, reduce_retracing=True)
 
     def distribute(self, dataset):
         """The iterator `train_step` reads: global batches, on the host."""
@@ -70,15 +73,39 @@ class WeightedTrainer:
             summed = [tf.add_n(list(per_device)) for per_device in zip(*gradients)]
             self.optimizer.apply_gradients(zip(summed, master.trainable_variables))
             metrics = add_metrics(metrics)
-        self._broadcast()
+        self.sync_copies()
         return metrics
 
-    def _broadcast(self):
+    def sync_copies(self):
         """Copies device 0's weights to every other device."""
         for device, model in zip(self.devices[1:], self.models[1:]):
             with tf.device(device):
                 for target, source in zip(model.weights, self.models[0].weights):
                     target.assign(source.value)
+
+    def evaluate(self, arrays) -> float:
+        """Accuracy on `arrays`, each batch split over the devices like a training batch."""
+        correct = 0.0
+        for x, y in eval_batches(arrays, self.global_batch_size):
+            n = int(x.shape[0])
+            # A partial last batch is split in the training proportions.
+            sizes = (
+                split_batch(n, self.shards)
+                if n >= len(self.shards)
+                else [n] + [0] * (len(self.shards) - 1)
+            )
+            correct += float(self._eval_step(x, y, tuple(sizes)))
+        return correct / len(arrays)
+
+    def _correct(self, x, y, sizes):
+        counts = []
+        for device, model, x_shard, y_shard in zip(
+            self.devices, self.models, tf.split(x, sizes), tf.split(y, sizes)
+        ):
+            with tf.device(device):
+                counts.append(replica_correct(model, x_shard, y_shard))
+        with tf.device(self.devices[0]):
+            return tf.add_n(counts)
 
     def get_weights(self) -> list[np.ndarray]:
         """Device 0's weights (the others are copies of them)."""

@@ -1,0 +1,86 @@
+"""What a person watching a run sees: a live progress line and TensorBoard summaries."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def format_duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}"
+
+
+class Progress:
+    """One line, rewritten in place: step, loss, accuracy, images/s, ETA.
+
+    Reading a step's metrics waits for the device, so the line is refreshed at
+    most every `interval` seconds, not at every step.
+    """
+
+    def __init__(self, total_steps, batch_size, first_step=0, stream=None, interval=0.5):
+        self.total_steps = total_steps
+        self.batch_size = batch_size
+        self.stream = stream or sys.stderr
+        self.interval = interval
+        self.start_step = first_step
+        self.start_time = time.perf_counter()
+        self.last_shown = 0.0
+        self.width = 0
+
+    def update(self, step, metrics, force=False):
+        """`step` steps are done; `metrics` are the last step's (tensors or numbers)."""
+        now = time.perf_counter()
+        if not force and now - self.last_shown < self.interval:
+            return
+        self.last_shown = now
+        done = step - self.start_step
+        rate = done / (now - self.start_time) if done else 0.0
+        eta = (self.total_steps - step) / rate if rate else 0.0
+        loss = float(metrics["loss_sum"]) / self.batch_size
+        accuracy = float(metrics["correct"]) / self.batch_size
+        line = (
+            f"step {step}/{self.total_steps} | loss {loss:.4f} | accuracy {accuracy:.4f} | "
+            f"{rate * self.batch_size:.0f} images/s | ETA {format_duration(eta)}"
+        )
+        self.width = max(self.width, len(line))
+        self.stream.write("\r" + line.ljust(self.width))
+        self.stream.flush()
+
+    def clear(self):
+        """Blanks the line so that a log line can be printed in its place."""
+        if self.width:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
+
+    def close(self):
+        if self.width:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.width = 0
+
+
+class Summaries:
+    """TensorBoard scalars under DIR/train and DIR/eval."""
+
+    def __init__(self, model_dir):
+        import tensorflow as tf
+
+        self.tf = tf
+        self.train = tf.summary.create_file_writer(os.path.join(model_dir, "train"))
+        self.eval = tf.summary.create_file_writer(os.path.join(model_dir, "eval"))
+
+    def write_train(self, step, scalars):
+        with self.train.as_default(step=step):
+            for name, value in scalars.items():
+                self.tf.summary.scalar(name, value)
+
+    def write_eval(self, step, test_accuracy):
+        with self.eval.as_default(step=step):
+            self.tf.summary.scalar("test_accuracy", test_accuracy)
+
+    def close(self):
+        self.train.flush()
+        self.eval.flush()
