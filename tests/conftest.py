@@ -6,6 +6,8 @@ another device layout run the CLI in a subprocess.
 """
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -29,3 +31,28 @@ def mnist_dir():
             "(or deselect these tests with -m 'not mnist')"
         )
     return directory
+
+
+# Lines TensorFlow's native runtime prints at start-up, whatever the log level.
+NATIVE_PREFIXES = ("WARNING: All log messages before absl", "I0000", "W0000", "E0000")
+
+
+def tfdp(*args, cwd=None, wait=True):
+    """Runs the `tfdp` command in a fresh process (its own device set-up)."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TFDP_MNIST_DIR", None)  # every run here names its data explicitly
+    command = [sys.executable, "-m", "tfdp", *args]
+    if not wait:
+        return subprocess.Popen(
+            command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=900)
+
+
+def own_stderr_lines(process):
+    """stderr without TensorFlow's native start-up lines."""
+    return [
+        line
+        for line in process.stderr.splitlines()
+        if line.strip() and not line.startswith(NATIVE_PREFIXES)
+    ]

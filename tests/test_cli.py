@@ -2,12 +2,10 @@
 
 import gzip
 import json
-import os
 import struct
-import subprocess
-import sys
 
 import pytest
+from conftest import own_stderr_lines, tfdp
 
 TOY_RUN = [
     "--mode=weighted",
@@ -17,29 +15,6 @@ TOY_RUN = [
     "--powers=1,5",
     "--batch_size=100",
 ]
-# Lines TensorFlow's native runtime prints at start-up, whatever the log level.
-NATIVE_PREFIXES = ("WARNING: All log messages before absl", "I0000", "W0000", "E0000")
-
-
-def tfdp(*args, cwd=None):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("TFDP_MNIST_DIR", None)  # every run here names its data explicitly
-    return subprocess.run(
-        [sys.executable, "-m", "tfdp", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=cwd,
-        timeout=600,
-    )
-
-
-def own_stderr_lines(process):
-    return [
-        line
-        for line in process.stderr.splitlines()
-        if line.strip() and not line.startswith(NATIVE_PREFIXES)
-    ]
 
 
 def test_toy_run_writes_result_json(tmp_path):
@@ -76,12 +51,29 @@ def write_idx(path, magic, dims, payload):
         f.write(struct.pack(f">I{len(dims)}I", magic, *dims) + payload)
 
 
-@pytest.fixture
-def corrupt_mnist(tmp_path):
-    """An MNIST directory whose training images carry the labels' magic number."""
-    write_idx(tmp_path / "train-images-idx3-ubyte.gz", 2049, (2, 28, 28), bytes(2 * 784))
-    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", 2049, (2,), bytes(2))
-    return tmp_path
+IMAGES, LABELS = "train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"
+CORRUPTIONS = {
+    # name: (images (magic, dims, payload bytes), labels (...), words the error must contain)
+    "wrong magic": ((2049, (2, 28, 28), 2 * 784), (2049, (2,), 2), [IMAGES, "2051"]),
+    "truncated": ((2051, (2, 28, 28), 784), (2049, (2,), 2), [IMAGES, "1568", "784"]),
+    "wrong count": ((2051, (2, 28, 28), 2 * 784), (2049, (3,), 3), [IMAGES, LABELS, "2", "3"]),
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_corrupt_mnist_is_named(corruption, tmp_path):
+    images, labels, words = CORRUPTIONS[corruption]
+    data = tmp_path / "mnist"
+    data.mkdir()
+    for name, (magic, dims, size) in ((IMAGES, images), (LABELS, labels)):
+        write_idx(data / name, magic, dims, bytes(size))
+    process = tfdp(f"--mnist_dir={data}", "--iterations=1", cwd=tmp_path)
+    assert process.returncode == 2
+    [line] = own_stderr_lines(process)
+    assert line.startswith(f"tfdp: error: --mnist_dir={data}: ")
+    for word in words:
+        assert word in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mnist"]  # nothing written
 
 
 BAD_FLAGS = [
@@ -116,6 +108,10 @@ BAD_FLAGS = [
     (["--logical_cpus=-1"], "--logical_cpus=-1"),
     (["--mnist_dir=/no/such/dir"], "--mnist_dir=/no/such/dir"),
     (["--model=toy", "--result_json=/no/such/dir/result.json"], "--result_json=/no/such/dir"),
+    (["--model=toy", "--epochs=2", "--iterations=5"], "--epochs=2"),
+    (["--model=toy", "--eval_every=-1"], "--eval_every=-1"),
+    (["--model=toy", "--checkpoint_every=0"], "--checkpoint_every=0"),
+    (["--model=toy", "--model_dir=/proc/tfdp"], "--model_dir=/proc/tfdp"),
     (["--nosuchflag=1"], "nosuchflag"),
     (["--model=toy", "extra"], "unexpected arguments extra"),
 ]
@@ -132,11 +128,3 @@ def test_bad_flags_fail_early_with_one_line(args, named, tmp_path):
     assert "Traceback" not in process.stderr
     assert process.stdout == ""  # no training started
     assert list(tmp_path.iterdir()) == []  # nothing written
-
-
-def test_corrupt_mnist_is_named(corrupt_mnist):
-    process = tfdp(f"--mnist_dir={corrupt_mnist}", "--iterations=1")
-    assert process.returncode == 2
-    [line] = own_stderr_lines(process)
-    assert line.startswith(f"tfdp: error: --mnist_dir={corrupt_mnist}: ")
-    assert "train-images-idx3-ubyte.gz" in line and "2051" in line

@@ -81,3 +81,52 @@ def test_lenet_log_is_the_same_on_every_device_set(lenet_results):
         for got, expected in zip(result["log"], reference, strict=True):
             assert abs(got["accuracy"] - expected["accuracy"]) <= 3 / 1024, name
             np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-3, err_msg=name)
+
+
+def test_epochs_count_whole_passes_over_the_data():
+    result = tfdp.train(Config(model="toy", epochs=2, batch_size=1000), log=lambda line: None)
+    assert result["steps_per_epoch"] == 10  # 10,000 toy examples
+    assert result["iterations"] == 20
+    assert [e["iteration"] for e in result["evals"]] == [20]
+
+
+@pytest.mark.mnist
+def test_evaluation_is_the_same_on_every_device_set(mnist_dir):
+    from conftest import CPUS
+
+    from tfdp.data import load_mnist_idx
+    from tfdp.models import build_model
+    from tfdp.training import build_trainer, partition
+
+    test = load_mnist_idx(mnist_dir, "test")
+    model = build_model("lenet", seed=1)
+    predictions = np.argmax(model.predict(test.images / np.float32(255), verbose=0), -1)
+    expected = np.mean(predictions == test.labels)
+    for mode, devices, powers in [
+        ("single", CPUS[:1], ()),
+        ("mirrored", CPUS[:4], ()),
+        ("mirrored", CPUS[:3], ()),  # 10,000 = 9 x 1024 + 784: uneven last batch
+        ("weighted", CPUS[:2], (1, 5)),
+    ]:
+        config = Config(mode=mode, devices=",".join(devices), powers=powers, seed=1)
+        trainer = build_trainer(config, devices, partition(config, devices))
+        assert trainer.evaluate(test) == pytest.approx(expected, abs=1e-9), (mode, devices)
+
+
+@pytest.mark.slow
+@pytest.mark.mnist
+def test_lenet_two_epochs_on_two_devices_reaches_98_percent(mnist_dir):
+    result = tfdp.train(
+        Config(
+            mode="mirrored",
+            devices="cpu:0,cpu:1",
+            batch_size=128,
+            epochs=2,
+            learning_rate=0.1,
+            log_every=100,
+            mnist_dir=mnist_dir,
+        ),
+        log=print,
+    )
+    assert result["iterations"] == 936
+    assert result["test_accuracy"] >= 0.98

@@ -37,10 +37,13 @@ def check_model_dir(config) -> None:
     existing = model_dir
     while not os.path.exists(existing):  # the nearest existing ancestor must be writable
         existing = os.path.dirname(os.path.abspath(existing))
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(
-            "model_dir", model_dir, f"cannot be written ({existing} is not a writable directory)"
-        )
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(f"{existing} is not a directory")
+        with tempfile.TemporaryFile(dir=existing):  # the only honest test of writability
+            pass
+    except OSError as error:
+        raise ConfigError("model_dir", model_dir, f"cannot be written ({error})") from None
     run_file = os.path.join(model_dir, RUN_FILE)
     if not os.path.exists(run_file):
         return

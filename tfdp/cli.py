@@ -99,6 +99,8 @@ flags.DEFINE_string("result_json", None, "Write the run's result here as JSON.")
 def _fail(message: str, status: int = 2) -> None:
     """One line on stderr and an exit status (2: usage, as absl's); no traceback."""
     print(f"tfdp: error: {message}", file=sys.stderr)
+    # What TensorFlow logs while tearing down a refused run is noise after this line.
+    logging.set_verbosity(logging.FATAL)
     sys.exit(status)
 
 
@@ -177,6 +179,8 @@ def main(argv: list[str]) -> None:
         _fail(f"{_flag_text(error.field, error.value)}: {error.reason}")
     try:
         result = training.run(plan)
+    except ConfigError as error:  # a checkpoint that does not fit, found when restoring
+        _fail(f"{_flag_text(error.field, error.value)}: {error.reason}")
     except training.NonFiniteLoss as error:
         _fail(str(error), status=1)
     if FLAGS.result_json:

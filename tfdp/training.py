@@ -183,8 +183,8 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
     batch = config.batch_size
     trainer = build_trainer(config, plan.devices, plan.shards)
     checkpointer = Checkpointer(config, trainer) if config.model_dir else None
+    start_step = checkpointer.restore() if checkpointer else 0  # before anything is written
     summaries = Summaries(config.model_dir) if config.model_dir else None
-    start_step = checkpointer.restore() if checkpointer else 0
     iterator = trainer.distribute(
         data_lib.train_dataset(plan.train_data, batch, config.seed, start_step=start_step)
     )
