@@ -23,9 +23,11 @@ def test_toy_run_writes_result_json(tmp_path):
     assert process.returncode == 0, process.stderr
     lines = process.stdout.splitlines()
     assert lines[0] == "workload partition: [('CPU:0', 17), ('CPU:1', 83)]"
-    assert lines[1].startswith("iteration 0, accuracy ")
-    assert lines[5].startswith("iteration 40, accuracy ")
-    assert lines[6].startswith("time for 50 iterations of toy on 2 device(s), mode weighted")
+    assert lines[1].startswith("global batch 100 = 17 + 83 over 2 device(s), mode weighted; ")
+    assert lines[2].startswith("iteration 0, accuracy ")
+    assert lines[6].startswith("iteration 40, accuracy ")
+    assert lines[7].startswith("time for 50 iterations of toy on 2 device(s), mode weighted")
+    assert lines[8].startswith("iteration 50, test accuracy ")
     result = json.loads(path.read_text())
     assert result["mode"] == "weighted"
     assert result["devices"] == ["CPU:0", "CPU:1"]

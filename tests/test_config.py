@@ -3,6 +3,7 @@ import math
 import pytest
 
 from tfdp import Config, ConfigError
+from tfdp.config import DEFAULT_ITERATIONS
 
 
 def test_defaults_are_the_tutorial_lenet_run():
@@ -11,11 +12,12 @@ def test_defaults_are_the_tutorial_lenet_run():
         config.model,
         config.dataset,
         config.batch_size,
-        config.iterations,
         config.learning_rate,
         config.log_every,
         config.init,
-    ) == ("lenet", "mnist", 1024, 50, 0.1, 10, "tutorial")
+    ) == ("lenet", "mnist", 1024, 0.1, 10, "tutorial")
+    assert config.iterations is None and config.epochs is None  # i.e. DEFAULT_ITERATIONS
+    assert DEFAULT_ITERATIONS == 50
 
 
 def test_dataset_follows_the_model():
@@ -33,6 +35,11 @@ def test_dataset_follows_the_model():
         (dict(batch_size=0), "batch_size"),
         (dict(batch_size=2.5), "batch_size"),
         (dict(iterations=-1), "iterations"),
+        (dict(epochs=0), "epochs"),
+        (dict(epochs=2, iterations=5), "epochs"),
+        (dict(eval_every=-1), "eval_every"),
+        (dict(checkpoint_every=0), "checkpoint_every"),
+        (dict(keep_checkpoints=0), "keep_checkpoints"),
         (dict(log_every=0), "log_every"),
         (dict(learning_rate=0.0), "learning_rate"),
         (dict(learning_rate=math.nan), "learning_rate"),

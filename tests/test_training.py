@@ -15,10 +15,12 @@ def test_toy_run_weighted_cpu_gpu_powers():
         log=lines.append,
     )
     assert lines[0] == "workload partition: [('CPU:0', 17), ('CPU:1', 83)]"
-    assert [line.split(",")[0] for line in lines[1:6]] == [
+    assert lines[1].startswith("global batch 100 = 17 + 83 over 2 device(s)")
+    assert [line.split(",")[0] for line in lines[2:7]] == [
         f"iteration {i}" for i in (0, 10, 20, 30, 40)
     ]
-    assert lines[-1].startswith("time for 50 iterations")
+    assert lines[7].startswith("time for 50 iterations")
+    assert lines[8].startswith("iteration 50, test accuracy")
     assert result["shards"] == [17, 83]
     assert result["log"][0]["accuracy"] < 0.5  # it starts near chance...
     assert result["final_accuracy"] >= 0.95  # ...and learns, as the tutorial asserts
