@@ -79,5 +79,10 @@ class MirroredTrainer:
     def sync_copies(self):
         """Nothing to do: MirroredVariables keep every replica's copy equal."""
 
+    def set_weights(self, weights) -> None:
+        """Sets `weights` on every replica."""
+        with self.strategy.scope():
+            self.model.set_weights(weights)
+
     def get_weights(self) -> list[np.ndarray]:
         return self.model.get_weights()

@@ -107,6 +107,11 @@ class WeightedTrainer:
         with tf.device(self.devices[0]):
             return tf.add_n(counts)
 
+    def set_weights(self, weights) -> None:
+        """Sets `weights` on every copy."""
+        for model in self.models:
+            model.set_weights(weights)
+
     def get_weights(self) -> list[np.ndarray]:
         """Device 0's weights (the others are copies of them)."""
         return self.models[0].get_weights()

@@ -1,0 +1,85 @@
+"""tfdp-bench: its FLOP count, and a smoke run (speed is never asserted here)."""
+
+import json
+
+import pytest
+
+from tfdp.bench import FORWARD_FLOPS, LENET_FORWARD_MACS, TRAIN_FLOPS, configurations
+from tfdp.models import build_model
+
+
+def test_flop_count_follows_the_model():
+    macs = 0
+    model = build_model("lenet")
+    for layer in model.layers:
+        if hasattr(layer, "kernel"):
+            kernel = layer.kernel.shape
+            if len(kernel) == 4:  # conv: every output position does k x k x in_channels MACs
+                height, width = layer.output.shape[1:3]
+                macs += height * width * kernel[0] * kernel[1] * kernel[2] * kernel[3]
+            else:
+                macs += kernel[0] * kernel[1]
+    assert macs == LENET_FORWARD_MACS
+    assert FORWARD_FLOPS == pytest.approx(4.6e6, rel=0.01)
+    assert TRAIN_FLOPS == 3 * FORWARD_FLOPS
+
+
+def test_configurations_cover_the_table():
+    names = [spec.name for spec in configurations([1, 2, 4], [1.0, 3.0])]
+    assert names == [
+        "matmul peak",
+        "tfdp single",
+        "keras fit",
+        "tfdp mirrored x2",
+        "tfdp weighted x2",
+        "keras fit mirrored x2",
+        "tfdp mirrored x4",
+        "tfdp weighted x4",
+        "keras fit mirrored x4",
+        "tfdp weighted 1:3",
+    ]
+
+
+def test_bench_smoke(tmp_path):
+    import subprocess
+    import sys
+
+    jsonl, png = tmp_path / "bench.jsonl", tmp_path / "bench.png"
+    process = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tfdp.bench",
+            "--synthetic",
+            "--rounds=1",
+            "--iterations=2",
+            "--warmup=1",
+            "--batch_size=32",
+            "--device_counts=1,2",
+            "--devices=cpu",
+            f"--json={jsonl}",
+            f"--plot={png}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert process.returncode == 0, process.stderr[-3000:]
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    rows = [r for r in records if r.get("summary")]
+    assert [r["configuration"] for r in rows] == [
+        "tfdp single",
+        "keras fit",
+        "tfdp mirrored x2",
+        "tfdp weighted x2",
+        "keras fit mirrored x2",
+        "tfdp weighted 1:3",
+    ]
+    for row in rows:
+        assert row["images_per_second"] > 0 and 0 < row["fraction_of_peak"] < 10
+    assert rows[0]["vs_tfdp_single"] == 1.0
+    measured = [r for r in records if not r.get("summary")]
+    assert {r["name"] for r in measured} >= {"matmul peak", "tfdp weighted 1:3"}
+    assert [r["shards"] for r in measured if r["name"] == "tfdp weighted 1:3"] == [[8, 24]]
+    assert "| tfdp weighted 1:3 | 2 |" in process.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,399 @@
+"""`tfdp-bench`: the tutorial's timing table, side by side with Keras `fit`.
+
+Every configuration runs in its own process (device sets never share a
+process, so collective ops never collide, and logical CPUs can differ), in
+interleaved rounds A B C ... A B C ..., so that a noisy machine slows all of
+them alike. Each measurement warms up first (tracing and compilation are not
+timed), then resets the weights and the input to the start and times the
+tutorial's run: LeNet, batch 1024, 50 iterations.
+
+  tfdp-bench --mnist_dir=../shared/data/mnist --json=bench.jsonl --plot=bench.png
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("rounds", 3, "Interleaved rounds; the table reports medians over them.")
+flags.DEFINE_integer("iterations", 50, "Timed iterations per measurement (the tutorial's 50).")
+flags.DEFINE_integer("warmup", 5, "Untimed iterations first: tracing, compilation, caches.")
+flags.DEFINE_integer("batch_size", 1024, "Global batch size.")
+flags.DEFINE_list("device_counts", ["1", "2", "4"], "Device counts to measure.")
+flags.DEFINE_enum(
+    "devices", "auto", ["auto", "cpu", "gpu"], "auto: GPUs where there are any, else logical CPUs."
+)
+flags.DEFINE_list("uneven_powers", ["1", "3"], "Powers of the uneven weighted configuration.")
+flags.DEFINE_list("only", [], "Measure only these configurations (names as in the table).")
+flags.DEFINE_bool("synthetic", False, "Random images of MNIST's shape instead of MNIST.")
+flags.DEFINE_string("mnist_dir", None, "MNIST IDX files (default: $TFDP_MNIST_DIR, else tfds).")
+flags.DEFINE_string("json", None, "Append one JSON line per measurement and per table row.")
+flags.DEFINE_string("plot", None, "Draw images/s against device count per mode (PNG).")
+flags.DEFINE_string("worker", None, "Internal: measure one configuration given as JSON.")
+
+# LeNet-5 on a 28x28 image, multiply-adds of each layer's forward pass.
+LENET_FORWARD_MACS = (
+    24 * 24 * 20 * 5 * 5 * 1  # conv1: 24x24 outputs x 20 filters x 5x5x1
+    + 8 * 8 * 50 * 5 * 5 * 20  # conv2: 8x8 outputs x 50 filters x 5x5x20
+    + 800 * 500  # dense 500
+    + 500 * 10  # dense 10
+)
+FORWARD_FLOPS = 2 * LENET_FORWARD_MACS  # ~4.6 MFLOP
+TRAIN_FLOPS = 3 * FORWARD_FLOPS  # forward + backward (gradients of inputs and of weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One configuration to measure."""
+
+    name: str
+    system: str  # tfdp | keras | matmul
+    mode: str  # single | mirrored | weighted | fit
+    devices: int
+    powers: tuple[float, ...] = ()
+
+
+def configurations(counts, uneven_powers) -> list[Spec]:
+    specs = [Spec("matmul peak", "matmul", "matmul", 1)]
+    for n in counts:
+        if n == 1:
+            specs += [
+                Spec("tfdp single", "tfdp", "single", 1),
+                Spec("keras fit", "keras", "fit", 1),
+            ]
+            continue
+        specs += [
+            Spec(f"tfdp mirrored x{n}", "tfdp", "mirrored", n),
+            Spec(f"tfdp weighted x{n}", "tfdp", "weighted", n, (1.0,) * n),
+            Spec(f"keras fit mirrored x{n}", "keras", "fit", n),
+        ]
+    if 2 in counts and uneven_powers:
+        label = ":".join(f"{p:g}" for p in uneven_powers)
+        specs.append(Spec(f"tfdp weighted {label}", "tfdp", "weighted", 2, tuple(uneven_powers)))
+    return specs
+
+
+# ---------------------------------------------------------------- one process
+
+
+def device_names(kind: str, n: int) -> list[str]:
+    import tfdp
+
+    if kind == "cpu":
+        tfdp.configure_logical_devices(logical_cpus=n)
+        return [f"/device:CPU:{i}" for i in range(n)]
+    return [f"/device:GPU:{i}" for i in range(n)]
+
+
+def load_arrays(synthetic: bool, mnist_dir: str | None, seed: int = 0):
+    import numpy as np
+
+    from tfdp import data
+
+    if synthetic:
+        rng = np.random.default_rng(seed)
+        return data.Arrays(
+            rng.integers(0, 256, (60000, 28, 28, 1), dtype=np.uint8),
+            rng.integers(0, 10, 60000).astype(np.int32),
+        )
+    return data.load_mnist("train", mnist_dir=mnist_dir)
+
+
+def measure_matmul(n: int = 2048, repeats: int = 10) -> dict:
+    """The best float32 matrix-multiply rate of this machine, in FLOP/s."""
+    import tensorflow as tf
+
+    a = tf.random.stateless_uniform((n, n), seed=[1, 2])
+    b = tf.random.stateless_uniform((n, n), seed=[3, 4])
+    matmul = tf.function(lambda a, b: tf.reduce_sum(tf.matmul(a, b)))
+    float(matmul(a, b))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        float(matmul(a, b))
+        best = min(best, time.perf_counter() - start)
+    return {"flops_per_second": 2 * n**3 / best}
+
+
+def measure_tfdp(spec: Spec, job: dict) -> dict:
+    from tfdp import Config
+    from tfdp.data import train_dataset
+    from tfdp.devices import short_name
+    from tfdp.training import build_trainer, partition
+
+    devices = device_names(job["kind"], spec.devices)
+    config = Config(
+        mode=spec.mode,
+        devices=",".join(short_name(d) for d in devices),
+        powers=spec.powers,
+        batch_size=job["batch_size"],
+    )
+    shards = partition(config, devices)
+    arrays = load_arrays(job["synthetic"], job["mnist_dir"])
+    trainer = build_trainer(config, devices, shards)
+    initial = trainer.get_weights()
+
+    def tutorial_run(iterations):
+        iterator = trainer.distribute(train_dataset(arrays, config.batch_size, config.seed))
+        log = {}
+        for i in range(iterations):
+            metrics = trainer.train_step(iterator)
+            if i % 10 == 0:
+                log[i] = metrics["correct"]  # read after the clock stops
+        float(metrics["loss_sum"])  # wait for the last step
+        return log
+
+    tutorial_run(job["warmup"])
+    trainer.set_weights(initial)
+    start = time.perf_counter()
+    log = tutorial_run(job["iterations"])
+    seconds = time.perf_counter() - start
+    accuracy = {i: float(c) / config.batch_size for i, c in log.items()}
+    return {"seconds": seconds, "shards": shards, "accuracy_at_40": accuracy.get(40)}
+
+
+def measure_keras(spec: Spec, job: dict) -> dict:
+    import keras
+    import tensorflow as tf
+
+    from tfdp.data import train_dataset
+    from tfdp.models import build_model, initial_weights
+
+    devices = device_names(job["kind"], spec.devices)
+    # What a Keras user would write: fit, with MirroredStrategy's own defaults.
+    strategy = tf.distribute.MirroredStrategy(devices) if spec.devices > 1 else None
+    initial = initial_weights("lenet")
+    with strategy.scope() if strategy else tf.device(devices[0]):
+        model = build_model("lenet")
+        model.set_weights(initial)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    arrays = load_arrays(job["synthetic"], job["mnist_dir"])
+    running = {}
+
+    class RunningAccuracy(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch in (39, 40):
+                running[batch] = logs["accuracy"]
+
+    def fit(iterations, callbacks=()):
+        dataset = train_dataset(arrays, job["batch_size"], 0)
+        model.fit(
+            dataset, steps_per_epoch=iterations, epochs=1, verbose=0, callbacks=list(callbacks)
+        )
+
+    fit(job["warmup"])
+    model.set_weights(initial)
+    start = time.perf_counter()
+    fit(job["iterations"], [RunningAccuracy()])
+    seconds = time.perf_counter() - start
+    # Keras logs a running mean over the epoch; batch 40's own accuracy follows from two of them.
+    accuracy_40 = 41 * running[40] - 40 * running[39] if len(running) == 2 else None
+    return {"seconds": seconds, "accuracy_at_40": accuracy_40}
+
+
+def run_worker(job: dict) -> dict:
+    spec = Spec(**{**job["spec"], "powers": tuple(job["spec"]["powers"])})
+    if spec.system == "matmul":
+        return measure_matmul()
+    measure = measure_tfdp if spec.system == "tfdp" else measure_keras
+    result = measure(spec, job)
+    result["images_per_second"] = job["iterations"] * job["batch_size"] / result["seconds"]
+    return result
+
+
+# ---------------------------------------------------------------- the parent
+
+
+def measure_in_subprocess(spec: Spec, job: dict) -> dict:
+    job = {**job, "spec": dataclasses.asdict(spec)}
+    process = subprocess.run(
+        [sys.executable, "-m", "tfdp.bench", f"--worker={json.dumps(job)}"],
+        capture_output=True,
+        text=True,
+    )
+    if process.returncode != 0:
+        raise RuntimeError(f"{spec.name} failed:\n{process.stderr[-3000:]}")
+    return json.loads(process.stdout.strip().splitlines()[-1])
+
+
+def detect_kind() -> str:
+    import tensorflow as tf
+
+    return "gpu" if tf.config.list_physical_devices("GPU") else "cpu"
+
+
+def summarize(specs, measurements, batch_size, iterations) -> list[dict]:
+    """One row per configuration: medians over the rounds, and ratios of medians."""
+    peak = statistics.median(m["flops_per_second"] for m in measurements["matmul peak"])
+    median = {
+        name: statistics.median(m["images_per_second"] for m in runs)
+        for name, runs in measurements.items()
+        if name != "matmul peak"
+    }
+    keras_at = {s.devices: s.name for s in specs if s.system == "keras"}
+    rows = []
+    for spec in specs:
+        if spec.system == "matmul":
+            continue
+        runs = measurements[spec.name]
+        rates = [m["images_per_second"] for m in runs]
+        accuracy = [m["accuracy_at_40"] for m in runs if m.get("accuracy_at_40") is not None]
+        keras_name = keras_at.get(spec.devices)
+        rows.append(
+            {
+                "configuration": spec.name,
+                "system": spec.system,
+                "mode": spec.mode,
+                "devices": spec.devices,
+                "powers": list(spec.powers) or None,
+                "images_per_second": median[spec.name],
+                "images_per_second_min": min(rates),
+                "images_per_second_max": max(rates),
+                "seconds": statistics.median(m["seconds"] for m in runs),
+                "iterations": iterations,
+                "vs_tfdp_single": median[spec.name] / median["tfdp single"]
+                if "tfdp single" in median
+                else None,
+                "vs_keras_same_devices": median[spec.name] / median[keras_name]
+                if keras_name in median
+                else None,
+                "fraction_of_peak": median[spec.name] * TRAIN_FLOPS / peak,
+                "accuracy_at_40": statistics.median(accuracy) if accuracy else None,
+                "peak_flops_per_second": peak,
+                "rounds": len(runs),
+            }
+        )
+    return rows
+
+
+def format_table(rows, iterations) -> str:
+    def num(value, fmt):
+        return "-" if value is None else format(value, fmt)
+
+    header = (
+        f"| configuration | devices | images/s (min-max) | s / {iterations} it | vs tfdp single "
+        "| vs keras, same devices | of peak | accuracy at it 40 |"
+    )
+    lines = [header, "|" + " --- |" * 8]
+    for r in rows:
+        lines.append(
+            f"| {r['configuration']} | {r['devices']} | {r['images_per_second']:.0f} "
+            f"({r['images_per_second_min']:.0f}-{r['images_per_second_max']:.0f}) "
+            f"| {r['seconds']:.2f} | {num(r['vs_tfdp_single'], '.2f')} "
+            f"| {num(r['vs_keras_same_devices'], '.2f')} | {r['fraction_of_peak']:.2f} "
+            f"| {num(r['accuracy_at_40'], '.4f')} |"
+        )
+    return "\n".join(lines)
+
+
+def draw(rows, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    series = {}
+    for r in rows:
+        if r["mode"] == "weighted" and r["powers"] and len(set(r["powers"])) > 1:
+            label = f"tfdp weighted {':'.join(f'{p:g}' for p in r['powers'])}"
+        elif r["mode"] in ("single", "mirrored"):
+            label = "tfdp mirrored (1 = single)"
+        else:
+            label = f"{r['system']} {r['mode']}"
+        series.setdefault(label, []).append(r)
+    for label, points in series.items():
+        points.sort(key=lambda r: r["devices"])
+        x = [r["devices"] for r in points]
+        y = [r["images_per_second"] for r in points]
+        error = [
+            [r["images_per_second"] - r["images_per_second_min"] for r in points],
+            [r["images_per_second_max"] - r["images_per_second"] for r in points],
+        ]
+        axes.errorbar(x, y, yerr=error, marker="o", capsize=3, label=label)
+    axes.set_xlabel("devices")
+    axes.set_ylabel("images / s (median, min-max)")
+    axes.set_xticks(sorted({r["devices"] for r in rows}))
+    axes.set_ylim(bottom=0)
+    axes.set_title(title)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+def main(argv) -> None:
+    if FLAGS.worker:
+        print(json.dumps(run_worker(json.loads(FLAGS.worker))))
+        return
+    counts = [int(c) for c in FLAGS.device_counts]
+    kind = detect_kind() if FLAGS.devices == "auto" else FLAGS.devices
+    specs = configurations(counts, [float(p) for p in FLAGS.uneven_powers])
+    if FLAGS.only:
+        specs = [s for s in specs if s.name in FLAGS.only or s.system == "matmul"]
+    mnist_dir = FLAGS.mnist_dir or os.environ.get("TFDP_MNIST_DIR")
+    job = {
+        "kind": kind,
+        "batch_size": FLAGS.batch_size,
+        "iterations": FLAGS.iterations,
+        "warmup": FLAGS.warmup,
+        "synthetic": FLAGS.synthetic,
+        "mnist_dir": mnist_dir,
+    }
+    data = (
+        "synthetic images" if FLAGS.synthetic else f"MNIST ({mnist_dir or 'tensorflow-datasets'})"
+    )
+    print(
+        f"LeNet on {data}, batch {FLAGS.batch_size}, {FLAGS.iterations} timed iterations after "
+        f"{FLAGS.warmup} warm-up; {FLAGS.rounds} interleaved rounds on {kind.upper()} devices; "
+        f"training counted as {TRAIN_FLOPS / 1e6:.1f} MFLOP/image (3 x {FORWARD_FLOPS / 1e6:.2f} "
+        "forward)",
+        flush=True,
+    )
+    measurements = {spec.name: [] for spec in specs}
+    out = open(FLAGS.json, "a") if FLAGS.json else None
+    for round_index in range(FLAGS.rounds):
+        for spec in specs:
+            measured = measure_in_subprocess(spec, job)
+            measurements[spec.name].append(measured)
+            shown = (
+                f"{measured['flops_per_second'] / 1e9:.1f} GFLOP/s"
+                if spec.system == "matmul"
+                else f"{measured['images_per_second']:.0f} images/s"
+            )
+            print(f"round {round_index + 1}: {spec.name}: {shown}", flush=True)
+            if out:
+                record = {"round": round_index + 1, **dataclasses.asdict(spec), **job, **measured}
+                out.write(json.dumps(record) + "\n")
+    rows = summarize(specs, measurements, FLAGS.batch_size, FLAGS.iterations)
+    print()
+    print(format_table(rows, FLAGS.iterations))
+    if out:
+        for row in rows:
+            out.write(json.dumps({"summary": True, **row}) + "\n")
+        out.close()
+    if FLAGS.plot:
+        draw(rows, FLAGS.plot, f"LeNet, batch {FLAGS.batch_size}, {kind.upper()} devices")
+        print(f"chart: {FLAGS.plot}")
+
+
+def run() -> None:
+    """Console-script entry point."""
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
