@@ -96,7 +96,17 @@ BAD_FLAGS = [
         "--powers=1,2,3",
     ),
     (["--model=toy", "--mode=mirrored", "--logical_cpus=4", "--batch_size=3"], "--batch_size=3"),
-    (["--model=toy", "--mode=mirrored", "--logical_cpus=4", "--batch_size=6"], "--batch_size=6"),
+    (
+        [
+            "--model=toy",
+            "--mode=mirrored",
+            "--mirrored_input=dataset",
+            "--logical_cpus=4",
+            "--batch_size=6",
+        ],
+        "--batch_size=6",
+    ),
+    (["--model=toy", "--mode=mirrored", "--all_reduce=magic"], "--all_reduce=magic"),
     (
         [
             "--model=toy",

@@ -22,9 +22,14 @@ def images():
     )
 
 
-def train_steps(mode, devices, powers, steps, images):
+def train_steps(mode, devices, powers, steps, images, **options):
     config = Config(
-        mode=mode, devices=",".join(devices), powers=powers, batch_size=BATCH, seed=SEED
+        mode=mode,
+        devices=",".join(devices),
+        powers=powers,
+        batch_size=BATCH,
+        seed=SEED,
+        **options,
     )
     trainer = build_trainer(config, devices, partition(config, devices))
     iterator = trainer.distribute(train_dataset(images, BATCH, SEED))
@@ -39,19 +44,21 @@ def reference(images):
 
 
 CASES = [
-    ("mirrored", CPUS[:2], ()),
-    ("mirrored", CPUS[:4], ()),
-    ("mirrored", CPUS[:3], ()),  # uneven: tf.distribute splits 100 as 34, 34, 32
-    ("weighted", CPUS[:2], (1, 1)),
-    ("weighted", CPUS[:2], (1, 5)),
-    ("weighted", CPUS[:4], (3, 1, 1, 1)),
+    ("mirrored", CPUS[:2], (), {}),
+    ("mirrored", CPUS[:4], (), {}),
+    ("mirrored", CPUS[:3], (), {}),  # 100 = 34 + 33 + 33
+    ("mirrored", CPUS[:3], (), {"mirrored_input": "dataset"}),  # tf.distribute: 34 + 34 + 32
+    ("mirrored", CPUS[:4], (), {"all_reduce": "reduce_to_one"}),
+    ("weighted", CPUS[:2], (1, 1), {}),
+    ("weighted", CPUS[:2], (1, 5), {}),
+    ("weighted", CPUS[:4], (3, 1, 1, 1), {}),
 ]
 
 
 @pytest.mark.parametrize("steps", [1, 3])
-@pytest.mark.parametrize("mode, devices, powers", CASES)
-def test_same_update_as_single(mode, devices, powers, steps, images, reference):
-    weights, metrics = train_steps(mode, devices, powers, steps, images)
+@pytest.mark.parametrize("mode, devices, powers, options", CASES)
+def test_same_update_as_single(mode, devices, powers, options, steps, images, reference):
+    weights, metrics = train_steps(mode, devices, powers, steps, images, **options)
     expected_weights, expected_metrics = reference[steps]
     for got, expected in zip(weights, expected_weights, strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
@@ -75,9 +82,19 @@ def test_weighted_places_each_copy_on_its_device():
         assert all(w.value.device.endswith(device.lstrip("/")) for w in model.weights)
 
 
-def test_mirrored_shards_are_what_tf_distribute_does(images):
-    config = Config(mode="mirrored", devices="cpu:0,cpu:1,cpu:2", batch_size=BATCH)
+@pytest.mark.parametrize(
+    "mirrored_input, shards", [("split", [34, 33, 33]), ("dataset", [34, 34, 32])]
+)
+def test_mirrored_shards_are_what_the_replicas_get(mirrored_input, shards, images):
+    config = Config(
+        mode="mirrored",
+        devices="cpu:0,cpu:1,cpu:2",
+        batch_size=BATCH,
+        mirrored_input=mirrored_input,
+    )
     trainer = build_trainer(config, CPUS[:3], partition(config, CPUS[:3]))
+    assert trainer.shards == partition(config, CPUS[:3]) == shards
     x, _ = next(trainer.distribute(train_dataset(images, BATCH, SEED)))
-    assert [len(t) for t in trainer.strategy.experimental_local_results(x)] == trainer.shards
-    assert trainer.shards == [34, 34, 32]
+    if mirrored_input == "split":
+        x = trainer._split(x)
+    assert [len(t) for t in trainer.strategy.experimental_local_results(x)] == shards

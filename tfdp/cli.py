@@ -17,7 +17,16 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags, logging  # noqa: E402
 
-from tfdp.config import DATASETS, DEFAULT_ITERATIONS, INITS, MODELS, MODES, Config  # noqa: E402
+from tfdp.config import (  # noqa: E402
+    ALL_REDUCES,
+    DATASETS,
+    DEFAULT_ITERATIONS,
+    INITS,
+    MIRRORED_INPUTS,
+    MODELS,
+    MODES,
+    Config,
+)
 from tfdp.devices import configure_logical_devices  # noqa: E402
 from tfdp.errors import ConfigError  # noqa: E402
 
@@ -66,6 +75,20 @@ flags.DEFINE_integer(
     "checkpoint_every", _DEFAULTS.checkpoint_every, "Steps between checkpoints (and at the end)."
 )
 flags.DEFINE_integer("keep_checkpoints", _DEFAULTS.keep_checkpoints, "Checkpoints to keep.")
+flags.DEFINE_enum(
+    "all_reduce",
+    _DEFAULTS.all_reduce,
+    ALL_REDUCES,
+    "mirrored: auto is MirroredStrategy's own choice (ring all-reduce on CPUs, NCCL on GPUs, "
+    "reduction to one device for a mix); reduce_to_one; nccl.",
+)
+flags.DEFINE_enum(
+    "mirrored_input",
+    _DEFAULTS.mirrored_input,
+    MIRRORED_INPUTS,
+    "mirrored: split each global batch on the host (largest remainder), or let "
+    "experimental_distribute_dataset split it.",
+)
 flags.DEFINE_enum(
     "progress",
     "auto",
@@ -140,6 +163,8 @@ def config_from_flags() -> Config:
         model_dir=FLAGS.model_dir,
         checkpoint_every=FLAGS.checkpoint_every,
         keep_checkpoints=FLAGS.keep_checkpoints,
+        all_reduce=FLAGS.all_reduce,
+        mirrored_input=FLAGS.mirrored_input,
         progress={"always": True, "never": False}.get(FLAGS.progress, sys.stderr.isatty()),
     )
 

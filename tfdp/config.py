@@ -11,6 +11,8 @@ MODES = ("single", "mirrored", "weighted")
 MODELS = ("lenet", "toy")
 DATASETS = ("mnist", "toy")
 INITS = ("tutorial", "keras")
+ALL_REDUCES = ("auto", "reduce_to_one", "nccl")
+MIRRORED_INPUTS = ("split", "dataset")
 # Each model reads one kind of input.
 DATASET_OF_MODEL = {"lenet": "mnist", "toy": "toy"}
 DEFAULT_ITERATIONS = 50  # the tutorial's run
@@ -40,6 +42,10 @@ class Config:
     checkpoint_every: int = 100  # steps between checkpoints (and one at the end)
     keep_checkpoints: int = 3  # the newest few are kept
     progress: bool = False  # a live progress line on stderr
+    all_reduce: str = "auto"  # mirrored: auto (MirroredStrategy's choice) | reduce_to_one | nccl
+    mirrored_input: str = (
+        "split"  # mirrored: split on the host | dataset (experimental_distribute_dataset)
+    )
 
     def __post_init__(self):
         if self.dataset is None:
@@ -66,6 +72,8 @@ def validate(config: Config) -> None:
     _choice(config, "model", MODELS)
     _choice(config, "dataset", DATASETS)
     _choice(config, "init", INITS)
+    _choice(config, "all_reduce", ALL_REDUCES)
+    _choice(config, "mirrored_input", MIRRORED_INPUTS)
     for field in (
         "batch_size",
         "log_every",

@@ -2,38 +2,83 @@
 
 from __future__ import annotations
 
+import itertools
+
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tfdp.data import eval_batches
-from tfdp.devices import even_split
+from tfdp.devices import even_split, split_batch
 from tfdp.steps import replica_correct, replica_gradients
 
+_strategies_made = itertools.count(1)
 
-def cross_device_ops_for(devices):
-    """The all-reduce to use for a device set.
 
-    NCCL where every device is a GPU (MirroredStrategy's own choice there).
-    Elsewhere, reduction to one device: on CPUs MirroredStrategy would pick
-    collective ops, and collective groups of different sizes in one process
-    collide ("joining a group with size 4, but that group has size 2").
+def cross_device_ops_for(all_reduce: str, devices):
+    """The cross-device ops for `all_reduce`; None lets MirroredStrategy choose.
+
+    auto is MirroredStrategy's own choice: ring all-reduce with collective ops
+    on CPUs, NCCL on GPUs, reduction to one device for a CPU+GPU mix.
     """
-    if all(":GPU:" in d for d in devices) and len(devices) > 1:
+    if all_reduce == "reduce_to_one":
+        return tf.distribute.ReductionToOneDevice(reduce_to_device=devices[0])
+    if all_reduce == "nccl":
         return tf.distribute.NcclAllReduce()
-    return tf.distribute.ReductionToOneDevice(reduce_to_device=devices[0])
+    return None  # auto
+
+
+def make_strategy(devices, all_reduce: str = "auto"):
+    """A MirroredStrategy whose collective ops cannot meet another strategy's.
+
+    Every MirroredStrategy numbers its collective groups from the same start,
+    so two strategies over different device sets in one process collide
+    ("joining a group with size 4, but that group has size 2"). Giving each
+    strategy its own range of group keys (the base TensorFlow reads when the
+    strategy is built) keeps them apart.
+    """
+    tf.distribute.MirroredStrategy._collective_key_base = 100_000 * next(_strategies_made)
+    return tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=cross_device_ops_for(all_reduce, devices)
+    )
 
 
 class MirroredTrainer:
     """Synchronous replicas of one Keras model, one per device."""
 
-    def __init__(self, make_model, weights, devices, global_batch_size, learning_rate):
+    def __init__(
+        self,
+        make_model,
+        weights,
+        devices,
+        global_batch_size,
+        learning_rate,
+        all_reduce="auto",
+        input="split",
+    ):
+        """
+        Args:
+          make_model: builds the model (called in the strategy's scope).
+          weights: initial weights.
+          devices: canonical device names, one replica each.
+          global_batch_size: examples per step over all replicas.
+          learning_rate: plain SGD step size.
+          all_reduce: see `cross_device_ops_for`.
+          input: "split": each global batch is cut on the host into near-equal
+            shards (largest remainder), handed to the replicas with
+            `experimental_distribute_values_from_function`; "dataset":
+            `experimental_distribute_dataset` splits it (ceil(B / n) each).
+        """
         self.devices = list(devices)
         self.global_batch_size = global_batch_size
-        self.shards = even_split(global_batch_size, len(self.devices))
-        self.strategy = tf.distribute.MirroredStrategy(
-            self.devices, cross_device_ops=cross_device_ops_for(self.devices)
+        self.input = input
+        n = len(self.devices)
+        self.shards = (
+            split_batch(global_batch_size, [1] * n)
+            if input == "split"
+            else even_split(global_batch_size, n)
         )
+        self.strategy = make_strategy(self.devices, all_reduce)
         with self.strategy.scope():
             self.model = make_model()
             self.model.set_weights(weights)
@@ -43,7 +88,9 @@ class MirroredTrainer:
         self._eval_step = tf.function(self._correct, reduce_retracing=True)
 
     def distribute(self, dataset):
-        """Splits each global batch into per-replica batches."""
+        """The iterator `train_step` reads."""
+        if self.input == "split":
+            return iter(dataset)
         return iter(self.strategy.experimental_distribute_dataset(dataset))
 
     def train_step(self, iterator):
@@ -52,11 +99,20 @@ class MirroredTrainer:
 
     def _step(self, iterator):
         x, y = next(iterator)
+        if self.input == "split":
+            x, y = self._split(x), self._split(y)
         per_replica = self.strategy.run(self._replica_step, args=(x, y))
         return {
             key: self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
             for key, value in per_replica.items()
         }
+
+    def _split(self, tensor):
+        """A global batch on the host -> one shard per replica."""
+        shards = tf.split(tensor, self.shards)
+        return self.strategy.experimental_distribute_values_from_function(
+            lambda context: shards[context.replica_id_in_sync_group]
+        )
 
     def _replica_step(self, x, y):
         gradients, metrics = replica_gradients(self.model, x, y, self.global_batch_size)

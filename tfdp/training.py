@@ -55,6 +55,8 @@ def partition(config: Config, devices: list[str]) -> list[int]:
             batch,
             f"is smaller than the number of devices ({n}); every device needs at least one example",
         )
+    if config.mode == "mirrored" and config.mirrored_input == "split":
+        return split_batch(batch, (1.0,) * n)
     if config.mode == "mirrored":
         shards = even_split(batch, n)
         if 0 in shards:
@@ -136,8 +138,15 @@ def build_trainer(config: Config, devices: list[str], shards: list[int]):
     make_model = functools.partial(build_model, **model_args)
     if config.mode == "mirrored":
         return MirroredTrainer(
-            make_model, weights, devices, config.batch_size, config.learning_rate
+            make_model,
+            weights,
+            devices,
+            config.batch_size,
+            config.learning_rate,
+            all_reduce=config.all_reduce,
+            input=config.mirrored_input,
         )
+
     # single is the weighted algorithm on one device: no split, no copies.
     return WeightedTrainer(make_model, weights, devices, shards, config.learning_rate)
 
