@@ -122,7 +122,7 @@ def test_kills_during_checkpoint_writes(straight_run, tmp_path):
     for delay in (0.13, 0.37, 0.71):
         process = tfdp(*every_step, wait=False)
         start_step = latest_step(model_dir) or 0
-        kill_when(process, lambda: (latest_step(model_dir) or 0) > start_step)
+        kill_when(process, lambda start=start_step: (latest_step(model_dir) or 0) > start)
         time.sleep(delay)  # ...and then at an arbitrary moment
         if process.poll() is None:
             process.kill()
