@@ -19,6 +19,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from tfdp.config import (  # noqa: E402
     ALL_REDUCES,
+    AUTO,
     DATASETS,
     DEFAULT_ITERATIONS,
     INITS,
@@ -49,7 +50,10 @@ flags.DEFINE_string(
     "logical CPU). Default: single -> the first GPU or the CPU; others -> all.",
 )
 flags.DEFINE_list(
-    "powers", [], "weighted: one relative speed per device, e.g. 1,5. Default: equal."
+    "powers",
+    [],
+    "weighted: one relative speed per device, e.g. 1,5, or auto: measured on each device "
+    "at start-up. Default: equal.",
 )
 flags.DEFINE_integer(
     "logical_cpus", 0, "Split the host CPU into N logical devices (0: keep it whole)."
@@ -134,7 +138,9 @@ def _flag_text(field: str, value) -> str:
     return f"{field}={value}"
 
 
-def _powers_from_flag(values: list[str]) -> tuple[float, ...]:
+def _powers_from_flag(values: list[str]) -> tuple[float, ...] | str:
+    if values == [AUTO]:
+        return AUTO
     try:
         return tuple(float(v) for v in values)
     except ValueError:

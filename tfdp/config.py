@@ -16,6 +16,7 @@ MIRRORED_INPUTS = ("split", "dataset")
 # Each model reads one kind of input.
 DATASET_OF_MODEL = {"lenet": "mnist", "toy": "toy"}
 DEFAULT_ITERATIONS = 50  # the tutorial's run
+AUTO = "auto"  # powers measured on the devices at start-up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +27,9 @@ class Config:
     model: str = "lenet"  # lenet | toy
     dataset: str | None = None  # None: the model's own (lenet: mnist, toy: toy)
     devices: str = ""  # comma list or 'all'; '': single -> first device, others -> all
-    powers: tuple[float, ...] = ()  # weighted: one relative speed per device; (): equal
+    powers: (
+        tuple[float, ...] | str
+    ) = ()  # weighted: one relative speed per device; (): equal; "auto": measured
     batch_size: int = 1024  # global batch, as in the tutorial's LeNet run
     iterations: int | None = None  # training steps; None: `epochs` if set, else the tutorial's 50
     epochs: int | None = None  # train for whole epochs instead of `iterations`
@@ -50,7 +53,8 @@ class Config:
     def __post_init__(self):
         if self.dataset is None:
             object.__setattr__(self, "dataset", DATASET_OF_MODEL.get(self.model))
-        object.__setattr__(self, "powers", tuple(self.powers))
+        if self.powers != AUTO:
+            object.__setattr__(self, "powers", tuple(self.powers))
         validate(self)
 
 
@@ -108,7 +112,7 @@ def validate(config: Config) -> None:
         raise ConfigError(
             "powers", config.powers, f"applies to mode weighted only, not {config.mode}"
         )
-    for p in config.powers:
+    for p in () if config.powers == AUTO else config.powers:
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p <= 0:
             raise ConfigError(
                 "powers", config.powers, f"every power must be a positive finite number, got {p!r}"

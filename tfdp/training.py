@@ -17,7 +17,7 @@ from typing import Callable
 
 from tfdp import data as data_lib
 from tfdp.checkpoints import Checkpointer, check_model_dir, export_model, write_atomically
-from tfdp.config import DEFAULT_ITERATIONS, Config
+from tfdp.config import AUTO, DEFAULT_ITERATIONS, Config
 from tfdp.devices import available_devices, even_split, parse_devices, short_name, split_batch
 from tfdp.errors import ConfigError
 from tfdp.observe import Progress, Summaries
@@ -67,7 +67,8 @@ def partition(config: Config, devices: list[str]) -> list[int]:
                 f"leaving one idle; use a multiple of {n} or mode weighted",
             )
         return shards
-    powers = config.powers or (1.0,) * n
+    # auto powers start from an even split; the measurement replaces it (see balance.py).
+    powers = (1.0,) * n if config.powers in ((), AUTO) else config.powers
     if len(powers) != n:
         raise ConfigError(
             "powers",
@@ -294,7 +295,7 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
         "dataset": config.dataset,
         "devices": [short_name(d) for d in plan.devices],
         "shards": plan.shards,
-        "powers": list(config.powers) or None,
+        "powers": config.powers if config.powers == AUTO else list(config.powers) or None,
         "batch_size": batch,
         "iterations": plan.total_steps,
         "start_iteration": start_step,
