@@ -1,0 +1,120 @@
+"""Auto powers and rebalancing against the cost model (pure Python, no TensorFlow)."""
+
+import pytest
+
+from tfdp.balance import (
+    Rebalancer,
+    SimulatedDevice,
+    imbalance,
+    powers_from_seconds,
+    simulate,
+    whole_shares,
+)
+
+BATCH = 1024
+SPEEDS = {"one slow of two": [1, 4], "one fast of four": [1, 1, 1, 8], "even": [3, 3]}
+
+
+def devices(speeds, overhead_share=0.03):
+    """Devices of the given relative speeds (examples/s x 1000), each with a fixed
+    overhead worth `overhead_share` of its time for an even shard."""
+    even = BATCH / len(speeds)
+    return [
+        SimulatedDevice(speed=1000.0 * s, overhead=overhead_share * even / (1000.0 * s))
+        for s in speeds
+    ]
+
+
+def relative(values):
+    return [v / sum(values) for v in values]
+
+
+@pytest.mark.parametrize("speeds", SPEEDS.values(), ids=SPEEDS.keys())
+@pytest.mark.parametrize("noise", [0.0, 0.03])
+def test_auto_powers_land_within_10_percent_of_the_true_ratio(speeds, noise):
+    run = simulate(devices(speeds), BATCH, steps=1, powers="auto", noise=noise, seed=1)
+    for got, true in zip(relative(run.auto_powers), relative(speeds), strict=True):
+        assert got == pytest.approx(true, rel=0.10)
+    assert run.shards[0] == whole_shares(BATCH, run.auto_powers)
+
+
+def finishing_spread(run, step):
+    return imbalance(run.seconds[step])
+
+
+@pytest.mark.parametrize("speeds", SPEEDS.values(), ids=SPEEDS.keys())
+def test_rebalancing_from_an_even_split_converges_without_oscillating(speeds):
+    every = 5
+    run = simulate(devices(speeds), BATCH, steps=200, rebalance_every=every)
+    # Within a few re-splits the devices finish within 10% of each other ...
+    assert len(run.resplits) <= 4
+    settled = (run.resplits[-1] + 1) if run.resplits else 0
+    assert settled <= 4 * every
+    for step in range(settled, 200):
+        assert finishing_spread(run, step) <= 0.10
+    # ... and every device's share moved one way only: no overshoot, no oscillation.
+    for device in range(len(speeds)):
+        shares = [run.shards[step][device] for step in range(200)]
+        moves = [b - a for a, b in zip(shares, shares[1:]) if b != a]
+        assert all(m > 0 for m in moves) or all(m < 0 for m in moves)
+
+
+def test_rebalancing_beats_the_even_split_by_the_expected_margin():
+    even = simulate(devices([1, 4]), BATCH, steps=100)
+    balanced = simulate(devices([1, 4]), BATCH, steps=100, rebalance_every=5)
+    # An even split waits for the slow device: 512/1000 s; balanced ~ 1024/5000 s.
+    assert even.step_seconds(99) / balanced.step_seconds(99) == pytest.approx(2.5, rel=0.1)
+
+
+def test_rebalancing_follows_a_device_whose_speed_changes_mid_run():
+    every = 5
+    slowing = SimulatedDevice(speed=lambda step: 4000.0 if step < 100 else 1000.0)
+    run = simulate([SimulatedDevice(1000.0), slowing], BATCH, steps=200, rebalance_every=every)
+    assert finishing_spread(run, 99) <= 0.10  # balanced for the first speeds
+    assert finishing_spread(run, 100) > 1.0  # then device 1 slows down 4x
+    after = [s for s in run.resplits if s >= 100]
+    assert 1 <= len(after) <= 4
+    for step in range(after[-1] + 1, 200):
+        assert finishing_spread(run, step) <= 0.10
+    assert run.shards[-1] == pytest.approx([512, 512], abs=30)
+
+
+def test_noisy_times_do_not_make_the_split_wander():
+    run = simulate(devices([1, 4]), BATCH, steps=400, rebalance_every=10, noise=0.05, seed=3)
+    late = [s for s in run.resplits if s >= 100]
+    assert len(late) <= 2  # a balanced split is left alone despite 5% jitter per step
+    shares = [shards[1] for shards in run.shards[100:]]
+    assert max(shares) - min(shares) <= 0.03 * BATCH
+
+
+def test_auto_then_rebalancing_needs_at_most_one_correction():
+    run = simulate(devices([1, 1, 1, 8]), BATCH, steps=100, powers="auto", rebalance_every=5)
+    assert len(run.resplits) <= 1
+    assert all(finishing_spread(run, step) <= 0.10 for step in range(10, 100))
+
+
+def test_rebalancer_leaves_a_balanced_split_alone():
+    rebalancer = Rebalancer(BATCH)
+    assert rebalancer.propose([512, 512], [1.0, 1.04]) == [512, 512]
+    assert rebalancer.propose([512, 512], [1.0, 4.0]) != [512, 512]
+
+
+def test_rebalancer_moves_part_of_the_way():
+    # Device 1 is 4x slower per example: the balanced split is 819/205.
+    new = Rebalancer(BATCH, damping=0.5).propose([512, 512], [0.5, 2.0])
+    assert new == [666, 358]  # halfway from 512 to 819.2
+    assert Rebalancer(BATCH, damping=1.0).propose([512, 512], [0.5, 2.0]) == [819, 205]
+
+
+def test_powers_from_seconds():
+    assert powers_from_seconds(100, [0.5, 2.0]) == [200.0, 50.0]
+
+
+@pytest.mark.parametrize(
+    "fractions", [[0.5, 0.5], [0.999, 0.001], [1e-9, 1.0, 1e-9], [0.2, 0.3, 0.5], [1.0]]
+)
+def test_whole_shares_give_everyone_at_least_one_example(fractions):
+    shares = whole_shares(BATCH, fractions)
+    assert sum(shares) == BATCH
+    assert min(shares) >= 1
+    assert len(shares) == len(fractions)

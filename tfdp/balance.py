@@ -1,0 +1,181 @@
+"""Splitting the global batch by measured device speed, and keeping it balanced.
+
+The tutorial asks for each device's power and keeps the split fixed. Here:
+
+  * auto powers: each device, alone, runs a few forward and backward passes on
+    a probe shard; its power is the examples per second it managed
+    (`powers_from_seconds`). The partition follows from `split_batch`.
+  * rebalancing: during training every step measures how long each device
+    took for its shard; every K steps the `Rebalancer` moves the shares part
+    of the way toward the split under which all devices would finish together.
+
+A device's time is modelled as proportional to its shard. Then the split that
+equalises finishing times gives each device a share proportional to its rate
+(examples per second at the current shares); moving only part of the way
+(damping) and leaving splits alone whose times already agree within a
+tolerance keep measurement noise from making the split oscillate.
+
+Pure Python: the training loop and the cost model below (`simulate`, used by
+the unit tests) run the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import statistics
+from collections.abc import Callable, Sequence
+
+from tfdp.devices import split_batch
+
+DAMPING = 0.7  # move 70% of the way to the balanced split per re-split
+TOLERANCE = 0.05  # finishing times within 5% of each other count as balanced
+MIN_MOVE = 0.01  # a re-split that moves less than 1% of the batch is not worth making
+
+
+def powers_from_seconds(examples: int, seconds: Sequence[float]) -> list[float]:
+    """Each device's examples per second, from its time for a probe of `examples`."""
+    return [examples / t for t in seconds]
+
+
+def imbalance(seconds: Sequence[float]) -> float:
+    """How much later the slowest device finishes than the fastest: max/min - 1."""
+    return max(seconds) / min(seconds) - 1.0
+
+
+def whole_shares(global_batch: int, fractions: Sequence[float]) -> list[int]:
+    """`split_batch`, but every device keeps at least one example."""
+    n = len(fractions)
+    if all(global_batch * f / sum(fractions) >= 1 for f in fractions):
+        return split_batch(global_batch, fractions)
+    shares = [1] * n  # one each, then the rest in proportion (largest remainder)
+    rest = global_batch - n
+    if rest:
+        for i, extra in enumerate(_largest_remainder(rest, fractions)):
+            shares[i] += extra
+    return shares
+
+
+def _largest_remainder(total: int, weights: Sequence[float]) -> list[int]:
+    exact = [total * w / sum(weights) for w in weights]
+    shares = [math.floor(e) for e in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (shares[i] - exact[i], i))
+    for i in by_remainder[: total - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+@dataclasses.dataclass(frozen=True)
+class Rebalancer:
+    """Proposes new shares of a fixed global batch from measured device times."""
+
+    global_batch: int
+    damping: float = DAMPING
+    tolerance: float = TOLERANCE
+    min_move: float = MIN_MOVE
+
+    def propose(self, shards: Sequence[int], seconds: Sequence[float]) -> list[int]:
+        """New shares, given each device's compute seconds per step at `shards`.
+
+        Returns `shards` unchanged when the times already agree within the
+        tolerance, or when no share would move by `min_move` of the batch.
+        """
+        if imbalance(seconds) <= self.tolerance:
+            return list(shards)
+        rates = [s / t for s, t in zip(shards, seconds, strict=True)]
+        balanced = [r / sum(rates) for r in rates]
+        current = [s / self.global_batch for s in shards]
+        moved = [c + self.damping * (b - c) for c, b in zip(current, balanced)]
+        proposed = whole_shares(self.global_batch, moved)
+        largest_move = max(abs(p - s) for p, s in zip(proposed, shards))
+        if largest_move < self.min_move * self.global_batch:
+            return list(shards)
+        return proposed
+
+
+# A deterministic cost model of devices, for testing the algorithms without TensorFlow.
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulatedDevice:
+    """A device whose step takes `overhead + shard / speed(step)` seconds."""
+
+    speed: float | Callable[[int], float]  # examples per second, or a function of the step
+    overhead: float = 0.0  # seconds per step whatever the shard (launches, copies)
+
+    def seconds(self, shard: int, step: int, jitter: float = 1.0) -> float:
+        speed = self.speed(step) if callable(self.speed) else self.speed
+        return (self.overhead + shard / speed) * jitter
+
+
+@dataclasses.dataclass
+class Simulation:
+    """What `simulate` saw: shares and device times per step, and each re-split."""
+
+    auto_powers: list[float] | None
+    shards: list[list[int]]  # per step
+    seconds: list[list[float]]  # per step, per device
+    resplits: list[int]  # steps after which the shares changed
+
+    def step_seconds(self, step: int) -> float:
+        """The step lasts as long as its slowest device."""
+        return max(self.seconds[step])
+
+
+def simulate(
+    devices: Sequence[SimulatedDevice],
+    global_batch: int,
+    steps: int,
+    powers: Sequence[float] | str = (),
+    rebalance_every: int = 0,
+    probe_repeats: int = 3,
+    noise: float = 0.0,
+    seed: int = 0,
+) -> Simulation:
+    """Runs the balancing algorithms against the cost model.
+
+    Args:
+      devices: the simulated devices.
+      global_batch: examples per step.
+      steps: training steps to simulate.
+      powers: fixed powers, () for an even split, or "auto" to probe each device.
+      rebalance_every: re-split every K steps from the median device times; 0: never.
+      probe_repeats: timed probe steps per device for "auto" (the median is used).
+      noise: relative jitter of every measured time (a seeded lognormal factor).
+      seed: seed of the jitter.
+    """
+    rng = random.Random(seed)
+
+    def jitter():
+        return math.exp(rng.gauss(0.0, noise)) if noise else 1.0
+
+    n = len(devices)
+    auto_powers = None
+    if powers == "auto":
+        probe = max(1, global_batch // n)
+        seconds = [
+            statistics.median(d.seconds(probe, 0, jitter()) for _ in range(probe_repeats))
+            for d in devices
+        ]
+        auto_powers = powers_from_seconds(probe, seconds)
+        shards = split_batch(global_batch, auto_powers)
+    else:
+        shards = split_batch(global_batch, powers or [1.0] * n)
+
+    rebalancer = Rebalancer(global_batch)
+    history = Simulation(auto_powers, [], [], [])
+    window = []
+    for step in range(steps):
+        seconds = [d.seconds(s, step, jitter()) for d, s in zip(devices, shards)]
+        history.shards.append(list(shards))
+        history.seconds.append(seconds)
+        window.append(seconds)
+        if rebalance_every and (step + 1) % rebalance_every == 0:
+            medians = [statistics.median(column) for column in zip(*window)]
+            window = []
+            proposed = rebalancer.propose(shards, medians)
+            if proposed != shards:
+                shards = proposed
+                history.resplits.append(step)
+    return history
