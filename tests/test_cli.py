@@ -117,6 +117,18 @@ BAD_FLAGS = [
         ],
         "--powers=1,1000",
     ),
+    (
+        ["--model=toy", "--mode=weighted", "--logical_cpus=2", "--simulate_slowdown=cpu:2=4"],
+        "--simulate_slowdown=cpu:2=4",
+    ),
+    (["--model=toy", "--simulate_slowdown=cpu:0=0.5"], "--simulate_slowdown=cpu:0=0.5"),
+    (["--model=toy", "--mode=mirrored", "--rebalance_every=5"], "--rebalance_every=5"),
+    (["--model=toy", "--reduce=allreduce"], "--reduce=allreduce"),
+    (
+        ["--model=toy", "--mode=weighted", "--devices=cpu:0", "--rebalance_every=2"],
+        "--rebalance_every=2",
+    ),
+    (["--model=toy", "--mode=weighted", "--powers=auto,1"], "--powers=auto,1"),
     (["--logical_cpus=-1"], "--logical_cpus=-1"),
     (["--mnist_dir=/no/such/dir"], "--mnist_dir=/no/such/dir"),
     (["--model=toy", "--result_json=/no/such/dir/result.json"], "--result_json=/no/such/dir"),

@@ -35,7 +35,7 @@ def train_steps(mode, devices, powers, steps, images, **options):
     iterator = trainer.distribute(train_dataset(images, BATCH, SEED))
     for _ in range(steps):
         metrics = trainer.train_step(iterator)
-    return trainer.get_weights(), {k: float(v) for k, v in metrics.items()}
+    return trainer.get_weights(), {k: float(metrics[k]) for k in ("loss_sum", "correct")}
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,9 @@ CASES = [
     ("weighted", CPUS[:2], (1, 1), {}),
     ("weighted", CPUS[:2], (1, 5), {}),
     ("weighted", CPUS[:4], (3, 1, 1, 1), {}),
+    ("weighted", CPUS[:2], (1, 5), {"reduce": "allreduce"}),
+    ("weighted", CPUS[:4], (3, 1, 1, 1), {"reduce": "allreduce"}),
+    ("weighted", CPUS[:2], (1, 5), {"simulate_slowdown": "cpu:1=2"}),  # delays still 0
 ]
 
 
@@ -98,3 +101,37 @@ def test_mirrored_shards_are_what_the_replicas_get(mirrored_input, shards, image
     if mirrored_input == "split":
         x = trainer._split(x)
     assert [len(t) for t in trainer.strategy.experimental_local_results(x)] == shards
+
+
+@pytest.mark.parametrize("reduce", ["device0", "allreduce"])
+def test_resplits_and_slowdown_keep_the_update(reduce, images, reference):
+    """Shares changed between steps (as rebalancing does) and a simulated slowdown
+    change where and when examples are computed, never the update."""
+    config = Config(
+        mode="weighted",
+        devices="cpu:0,cpu:1",
+        batch_size=BATCH,
+        seed=SEED,
+        reduce=reduce,
+        simulate_slowdown="cpu:1=4",
+    )
+    trainer = build_trainer(config, CPUS[:2], partition(config, CPUS[:2]))
+    delay = 2e-4  # seconds of sleep per example on cpu:1
+    trainer.set_delays([0.0, delay])
+    iterator = trainer.distribute(train_dataset(images, BATCH, SEED))
+    for shards in ([50, 50], [80, 20], [10, 90]):
+        trainer.set_shards(shards)
+        metrics = trainer.train_step(iterator)
+        # cpu:1 slept delay x its shard after its backward pass: a lower bound on its time.
+        assert float(metrics["device_seconds"][1]) >= shards[1] * delay
+    expected_weights, expected_metrics = reference[3]
+    for got, expected in zip(trainer.get_weights(), expected_weights, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert float(metrics["correct"]) == expected_metrics["correct"]
+
+
+def test_set_shards_must_split_the_global_batch():
+    config = Config(mode="weighted", devices="cpu:0,cpu:1", batch_size=BATCH)
+    trainer = build_trainer(config, CPUS[:2], partition(config, CPUS[:2]))
+    with pytest.raises(ValueError, match="do not split 100"):
+        trainer.set_shards([50, 49])

@@ -15,8 +15,9 @@ equalises finishing times gives each device a share proportional to its rate
 (damping) and leaving splits alone whose times already agree within a
 tolerance keep measurement noise from making the split oscillate.
 
-Pure Python: the training loop and the cost model below (`simulate`, used by
-the unit tests) run the same code.
+Pure Python (trainers are used through their methods, tensors read with
+float()): the training loop, tfdp-bench and the cost model below
+(`simulate`, used by the unit tests) run the same code.
 """
 
 from __future__ import annotations
@@ -92,6 +93,82 @@ class Rebalancer:
         if largest_move < self.min_move * self.global_batch:
             return list(shards)
         return proposed
+
+
+def seconds_alone(trainer, x, y, index: int, repeats: int = 3) -> float:
+    """Median seconds of device `index` for forward and backward on (x, y), alone.
+
+    One untimed run first: tracing and first-run costs are not the device's speed.
+    """
+    trainer.seconds_alone(x, y, index)
+    return statistics.median(trainer.seconds_alone(x, y, index) for _ in range(repeats))
+
+
+def calibrate_slowdown(trainer, x, y, factors: Sequence[float]) -> list[float]:
+    """Sets the simulated slowdown: device i alone becomes `factors[i]` times slower.
+
+    Returns the seconds of sleep per example each device gets.
+    """
+    delays = [
+        0.0 if factor == 1 else (factor - 1) * seconds_alone(trainer, x, y, i) / len(x)
+        for i, factor in enumerate(factors)
+    ]
+    trainer.set_delays(delays)
+    return delays
+
+
+def measure_powers(trainer, x, y) -> list[float]:
+    """Auto powers: each device's examples per second on (x, y), alone."""
+    return powers_from_seconds(
+        len(x), [seconds_alone(trainer, x, y, i) for i in range(len(trainer.devices))]
+    )
+
+
+class Rebalancing:
+    """Watches each device's seconds per step; every `every` steps, re-splits.
+
+    Device seconds are tensors the steps return; they are read only at the
+    end of a window, so the loop does not wait for the devices at every step.
+    With `every` = 0 it only keeps the latest steps' times, for the record.
+    """
+
+    def __init__(self, trainer, every: int, log: Callable[[str], None] = print):
+        self.trainer = trainer
+        self.every = every
+        self.log = log
+        self.rebalancer = Rebalancer(trainer.global_batch_size)
+        self.window = []
+        self.last_seconds = None  # the medians of the last full window
+        self.resplits = []  # one dict per re-split, for the result
+
+    def observe(self, iteration: int, device_seconds) -> None:
+        """Iteration `iteration` (counted from 0) is done and took `device_seconds`."""
+        self.window.append(device_seconds)
+        if not self.every:
+            self.window = self.window[-10:]
+            return
+        if len(self.window) < self.every:
+            return
+        seconds = self.last_seconds = self.seconds()
+        self.window = []
+        old = list(self.trainer.shards)
+        new = self.rebalancer.propose(old, seconds)
+        if new == old:
+            return
+        self.trainer.set_shards(new)
+        self.resplits.append({"iteration": iteration, "old": old, "new": new, "seconds": seconds})
+        self.log(
+            f"rebalanced after iteration {iteration}: shares {old} -> {new} "
+            f"(device seconds per step {', '.join(f'{t:.3f}' for t in seconds)}, "
+            f"imbalance {imbalance(seconds):.0%})"
+        )
+
+    def seconds(self) -> list[float] | None:
+        """Median seconds per step of each device over the current (else the last) window."""
+        if not self.window:
+            return self.last_seconds
+        steps = [[float(t) for t in step] for step in self.window]
+        return [statistics.median(column) for column in zip(*steps)]
 
 
 # A deterministic cost model of devices, for testing the algorithms without TensorFlow.

@@ -26,6 +26,7 @@ from tfdp.config import (  # noqa: E402
     MIRRORED_INPUTS,
     MODELS,
     MODES,
+    REDUCES,
     Config,
 )
 from tfdp.devices import configure_logical_devices  # noqa: E402
@@ -92,6 +93,25 @@ flags.DEFINE_enum(
     MIRRORED_INPUTS,
     "mirrored: split each global batch on the host (largest remainder), or let "
     "experimental_distribute_dataset split it.",
+)
+flags.DEFINE_enum(
+    "reduce",
+    _DEFAULTS.reduce,
+    REDUCES,
+    "weighted: device0 sums the gradients on device 0, updates there and broadcasts the "
+    "weights (the tutorial); allreduce gives MirroredStrategy replicas the uneven shards.",
+)
+flags.DEFINE_integer(
+    "rebalance_every",
+    _DEFAULTS.rebalance_every,
+    "weighted: every K steps, re-split the batch toward equal device finishing times, "
+    "from the measured per-device times (0: never).",
+)
+flags.DEFINE_string(
+    "simulate_slowdown",
+    _DEFAULTS.simulate_slowdown,
+    "For testing balancing on equal devices: DEVICE=FACTOR[,...], e.g. cpu:1=4 makes cpu:1 "
+    "4x slower (a sleep per example, which uses no core). Never on by default; runs say so.",
 )
 flags.DEFINE_enum(
     "progress",
@@ -171,6 +191,9 @@ def config_from_flags() -> Config:
         keep_checkpoints=FLAGS.keep_checkpoints,
         all_reduce=FLAGS.all_reduce,
         mirrored_input=FLAGS.mirrored_input,
+        reduce=FLAGS.reduce,
+        rebalance_every=FLAGS.rebalance_every,
+        simulate_slowdown=FLAGS.simulate_slowdown,
         progress={"always": True, "never": False}.get(FLAGS.progress, sys.stderr.isatty()),
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from tfdp.devices import parse_slowdown
 from tfdp.errors import ConfigError
 
 MODES = ("single", "mirrored", "weighted")
@@ -13,6 +14,7 @@ DATASETS = ("mnist", "toy")
 INITS = ("tutorial", "keras")
 ALL_REDUCES = ("auto", "reduce_to_one", "nccl")
 MIRRORED_INPUTS = ("split", "dataset")
+REDUCES = ("device0", "allreduce")
 # Each model reads one kind of input.
 DATASET_OF_MODEL = {"lenet": "mnist", "toy": "toy"}
 DEFAULT_ITERATIONS = 50  # the tutorial's run
@@ -49,6 +51,13 @@ class Config:
     mirrored_input: str = (
         "split"  # mirrored: split on the host | dataset (experimental_distribute_dataset)
     )
+    # weighted: device0 sums gradients on device 0 and broadcasts (the tutorial);
+    # allreduce gives MirroredStrategy replicas the uneven shards
+    reduce: str = "device0"
+    rebalance_every: int = (
+        0  # weighted: re-split the batch every K steps by measured times; 0: never
+    )
+    simulate_slowdown: str = ""  # testing only: 'cpu:1=4' makes cpu:1 4x slower (sleeps)
 
     def __post_init__(self):
         if self.dataset is None:
@@ -78,6 +87,7 @@ def validate(config: Config) -> None:
     _choice(config, "init", INITS)
     _choice(config, "all_reduce", ALL_REDUCES)
     _choice(config, "mirrored_input", MIRRORED_INPUTS)
+    _choice(config, "reduce", REDUCES)
     for field in (
         "batch_size",
         "log_every",
@@ -108,10 +118,18 @@ def validate(config: Config) -> None:
         raise ConfigError("learning_rate", lr, "must be a positive finite number")
     if isinstance(config.seed, bool) or not isinstance(config.seed, int) or config.seed < 0:
         raise ConfigError("seed", config.seed, "must be a non-negative integer")
-    if config.powers and config.mode != "weighted":
-        raise ConfigError(
-            "powers", config.powers, f"applies to mode weighted only, not {config.mode}"
-        )
+    if isinstance(config.rebalance_every, bool) or not isinstance(config.rebalance_every, int):
+        raise ConfigError("rebalance_every", config.rebalance_every, "must be an integer")
+    if config.rebalance_every < 0:
+        raise ConfigError("rebalance_every", config.rebalance_every, "must be 0 (never) or more")
+    for field, value, default in (
+        ("powers", config.powers, ()),
+        ("reduce", config.reduce, "device0"),
+        ("rebalance_every", config.rebalance_every, 0),
+    ):
+        if value != default and config.mode != "weighted":
+            raise ConfigError(field, value, f"applies to mode weighted only, not {config.mode}")
+    parse_slowdown(config.simulate_slowdown)  # the form; the devices are checked against the run's
     for p in () if config.powers == AUTO else config.powers:
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p <= 0:
             raise ConfigError(

@@ -222,6 +222,12 @@ def _scale(images, labels):
     return x, tf.cast(labels, tf.int32)
 
 
+def first_examples(arrays, count):
+    """The first `count` examples as model inputs, on the host (for timing probes)."""
+    with tf.device("/cpu:0"):
+        return _scale(*_to_tensors(Arrays(arrays.images[:count], arrays.labels[:count])))
+
+
 def train_dataset(arrays, batch_size, seed, start_step=0):
     """Builds the infinite, deterministic stream of full global training batches.
 

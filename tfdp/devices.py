@@ -89,6 +89,33 @@ def even_split(global_batch: int, num_replicas: int) -> list[int]:
     return [max(0, min(per_replica, global_batch - i * per_replica)) for i in range(num_replicas)]
 
 
+def parse_slowdown(spec: str) -> dict[str, float]:
+    """'cpu:1=4,cpu:2=2' -> {'/device:CPU:1': 4.0, '/device:CPU:2': 2.0}.
+
+    Raises:
+        ConfigError: (field simulate_slowdown) on a malformed item, a device named
+            twice or a factor that is not a finite number of at least 1.
+    """
+    slowdown = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        device, _, factor = item.partition("=")
+        try:
+            name = canonical_name(device)
+            value = float(factor)
+        except (ConfigError, ValueError):
+            raise ConfigError(
+                "simulate_slowdown", spec, f"{item!r} is not DEVICE=FACTOR, e.g. cpu:1=4"
+            ) from None
+        if not math.isfinite(value) or value < 1:
+            raise ConfigError(
+                "simulate_slowdown", spec, f"factor {factor} of {device} must be a number >= 1"
+            )
+        if name in slowdown:
+            raise ConfigError("simulate_slowdown", spec, f"names {device} more than once")
+        slowdown[name] = value
+    return slowdown
+
+
 def canonical_name(spec: str) -> str:
     """'cpu:0', '/GPU:1', '/device:CPU:0', 'gpu' -> '/device:GPU:0' form."""
     match = _DEVICE_RE.match(spec.strip())

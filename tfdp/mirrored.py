@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from tfdp.data import eval_batches
 from tfdp.devices import even_split, split_batch
-from tfdp.steps import replica_correct, replica_gradients
+from tfdp.steps import replica_correct, timed_replica_gradients
 
 _strategies_made = itertools.count(1)
 
@@ -55,6 +55,8 @@ class MirroredTrainer:
         learning_rate,
         all_reduce="auto",
         input="split",
+        shards=None,
+        slowdown=False,
     ):
         """
         Args:
@@ -68,16 +70,25 @@ class MirroredTrainer:
             shards (largest remainder), handed to the replicas with
             `experimental_distribute_values_from_function`; "dataset":
             `experimental_distribute_dataset` splits it (ceil(B / n) each).
+          shards: with input "split", examples per replica, uneven if need be
+            (the weighted split over all-reduce); None: near-equal.
+          slowdown: build the simulated slowdown in (delays set by `set_delays`).
         """
         self.devices = list(devices)
         self.global_batch_size = global_batch_size
         self.input = input
         n = len(self.devices)
-        self.shards = (
-            split_batch(global_batch_size, [1] * n)
-            if input == "split"
-            else even_split(global_batch_size, n)
-        )
+        if input == "split":
+            self.shards = list(shards or split_batch(global_batch_size, [1] * n))
+        elif shards is None:
+            self.shards = even_split(global_batch_size, n)
+        else:
+            raise ValueError("chosen shards need input='split'")
+        with tf.device("/cpu:0"):  # the batch is split on the host
+            self.shard_sizes = tf.Variable(self.shards, dtype=tf.int32, trainable=False)
+            self.delays = (
+                tf.Variable([0.0] * n, dtype=tf.float64, trainable=False) if slowdown else None
+            )
         self.strategy = make_strategy(self.devices, all_reduce)
         with self.strategy.scope():
             self.model = make_model()
@@ -86,6 +97,7 @@ class MirroredTrainer:
             self.optimizer.build(self.model.trainable_variables)
         self._train_step = tf.function(self._step)
         self._eval_step = tf.function(self._correct, reduce_retracing=True)
+        self._seconds_alone = tf.function(self._alone)
 
     def distribute(self, dataset):
         """The iterator `train_step` reads."""
@@ -101,24 +113,61 @@ class MirroredTrainer:
         x, y = next(iterator)
         if self.input == "split":
             x, y = self._split(x), self._split(y)
-        per_replica = self.strategy.run(self._replica_step, args=(x, y))
+        metrics, seconds = self.strategy.run(self._replica_step, args=(x, y))
         return {
-            key: self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
-            for key, value in per_replica.items()
+            **{
+                key: self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+                for key, value in metrics.items()
+            },
+            "device_seconds": tf.stack(self.strategy.experimental_local_results(seconds)),
         }
 
-    def _split(self, tensor):
+    def _split(self, tensor, sizes=None):
         """A global batch on the host -> one shard per replica."""
-        shards = tf.split(tensor, self.shards)
+        shards = tf.split(
+            tensor, self.shard_sizes if sizes is None else sizes, num=len(self.devices)
+        )
         return self.strategy.experimental_distribute_values_from_function(
             lambda context: shards[context.replica_id_in_sync_group]
         )
 
     def _replica_step(self, x, y):
-        gradients, metrics = replica_gradients(self.model, x, y, self.global_batch_size)
+        gradients, metrics, seconds = self._timed_gradients(x, y)
         # Inside a replica, the optimizer all-reduces (sums) the gradients first.
         self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
-        return metrics
+        return metrics, seconds
+
+    def _timed_gradients(self, x, y):
+        delay = None
+        if self.delays is not None:
+            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+            delay = tf.gather(self.delays, replica)
+        return timed_replica_gradients(self.model, x, y, self.global_batch_size, delay)
+
+    def set_shards(self, shards) -> None:
+        """Splits the following batches as `shards` (same global batch)."""
+        if self.input != "split":
+            raise ValueError("shards can only be set with input='split'")
+        if sum(shards) != self.global_batch_size or len(shards) != len(self.devices):
+            raise ValueError(f"shards {shards} do not split {self.global_batch_size} examples")
+        self.shards = list(shards)
+        self.shard_sizes.assign(shards)
+
+    def set_delays(self, delays) -> None:
+        """Simulated slowdown: seconds of sleep per example, per replica."""
+        self.delays.assign(delays)
+
+    def seconds_alone(self, x, y, index: int) -> float:
+        """Replica `index`'s seconds for forward and backward on (x, y), the others idle."""
+        return float(self._seconds_alone(x, y, index))
+
+    def _alone(self, x, y, index):
+        # The other replicas get empty shards: the same program, no work.
+        sizes = [0] * len(self.devices)
+        sizes[index] = tf.shape(x)[0]
+        x, y = self._split(x, tf.stack(sizes)), self._split(y, tf.stack(sizes))
+        seconds = self.strategy.run(lambda x, y: self._timed_gradients(x, y)[2], args=(x, y))
+        return self.strategy.experimental_local_results(seconds)[index]
 
     def evaluate(self, arrays) -> float:
         """Accuracy on `arrays`, each batch split over the replicas."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import tensorflow as tf
 
 
@@ -42,3 +45,52 @@ def replica_correct(model, x, y):
     """Number of correct predictions on one shard, in inference mode."""
     predictions = tf.argmax(model(x, training=False), axis=-1, output_type=y.dtype)
     return tf.reduce_sum(tf.cast(tf.equal(predictions, y), tf.float32))
+
+
+def timed_replica_gradients(model, x, y, global_batch_size, delay_per_example=None):
+    """`replica_gradients`, plus the seconds this device spent on them.
+
+    The seconds are read from the host clock in the step itself, when the
+    shard is there and when its last gradient is ready, so every device is
+    timed as it runs alongside the others.
+
+    Args:
+      delay_per_example: a simulated slowdown (a scalar tensor, seconds): after
+        its backward pass the device sleeps this long per example of its
+        shard. A sleep uses no core, so the other devices keep their speed.
+
+    Returns:
+      (gradients, metrics, seconds).
+    """
+    start = _clock(x)
+    with tf.control_dependencies([start]):
+        x = tf.identity(x)  # the forward pass starts after the clock is read
+    gradients, metrics = replica_gradients(model, x, y, global_batch_size)
+    end = _clock(*gradients)
+    if delay_per_example is not None:
+        examples = tf.cast(tf.shape(x)[0], tf.float64)
+        end = tf.numpy_function(
+            _sleep_then_clock, [end, examples * delay_per_example], tf.float64, stateful=False
+        )
+    with tf.control_dependencies([end]):
+        gradients = [tf.identity(g) for g in gradients]  # released once the clock is read
+    return gradients, metrics, end - start
+
+
+def _clock(*tensors):
+    """The host clock, read once `tensors` are computed.
+
+    A stateless op: tf.function runs stateful ops in program order, which
+    would make each device's clock wait for the devices traced before it.
+    """
+    ready = [tf.reshape(t, [-1])[:1] for t in tensors]  # a slice waits for the whole tensor
+    return tf.numpy_function(_now, ready, tf.float64, stateful=False)
+
+
+def _now(*_):
+    return np.float64(time.perf_counter())
+
+
+def _sleep_then_clock(_, seconds):
+    time.sleep(float(seconds))
+    return _now()

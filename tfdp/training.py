@@ -15,10 +15,18 @@ import os
 import time
 from typing import Callable
 
+from tfdp import balance
 from tfdp import data as data_lib
 from tfdp.checkpoints import Checkpointer, check_model_dir, export_model, write_atomically
 from tfdp.config import AUTO, DEFAULT_ITERATIONS, Config
-from tfdp.devices import available_devices, even_split, parse_devices, short_name, split_batch
+from tfdp.devices import (
+    available_devices,
+    even_split,
+    parse_devices,
+    parse_slowdown,
+    short_name,
+    split_batch,
+)
 from tfdp.errors import ConfigError
 from tfdp.observe import Progress, Summaries
 
@@ -79,6 +87,22 @@ def partition(config: Config, devices: list[str]) -> list[int]:
     return split_batch(batch, powers)
 
 
+def check_balancing(config: Config, devices: list[str]) -> None:
+    """The balancing options against the run's devices."""
+    outside = [short_name(d) for d in parse_slowdown(config.simulate_slowdown) if d not in devices]
+    if outside:
+        raise ConfigError(
+            "simulate_slowdown",
+            config.simulate_slowdown,
+            f"names {', '.join(outside)}, which this run does not use "
+            f"({', '.join(short_name(d) for d in devices)})",
+        )
+    if config.rebalance_every and len(devices) < 2:
+        raise ConfigError(
+            "rebalance_every", config.rebalance_every, "needs at least two devices to balance"
+        )
+
+
 def load_split(config: Config, split: str) -> data_lib.Arrays:
     """One split of the data, with errors reported against the setting that chose the source."""
     if config.dataset == "toy":
@@ -108,6 +132,7 @@ def prepare(config: Config) -> Plan:
     available = available_devices()
     devices = parse_devices(config.devices or default_devices(config.mode, available), available)
     shards = partition(config, devices)
+    check_balancing(config, devices)
     train_data = load_split(config, "train")
     if config.batch_size > len(train_data):
         raise ConfigError(
@@ -137,6 +162,7 @@ def build_trainer(config: Config, devices: list[str], shards: list[int]):
     )
     weights = initial_weights(**model_args)
     make_model = functools.partial(build_model, **model_args)
+    slowdown = bool(config.simulate_slowdown)
     if config.mode == "mirrored":
         return MirroredTrainer(
             make_model,
@@ -146,10 +172,69 @@ def build_trainer(config: Config, devices: list[str], shards: list[int]):
             config.learning_rate,
             all_reduce=config.all_reduce,
             input=config.mirrored_input,
+            slowdown=slowdown,
         )
-
+    if config.reduce == "allreduce":  # weighted shards, MirroredStrategy replicas
+        return MirroredTrainer(
+            make_model,
+            weights,
+            devices,
+            config.batch_size,
+            config.learning_rate,
+            all_reduce=config.all_reduce,
+            shards=shards,
+            slowdown=slowdown,
+        )
     # single is the weighted algorithm on one device: no split, no copies.
-    return WeightedTrainer(make_model, weights, devices, shards, config.learning_rate)
+    return WeightedTrainer(
+        make_model, weights, devices, shards, config.learning_rate, slowdown=slowdown
+    )
+
+
+def set_up_split(plan: Plan, trainer, log: Callable[[str], None] = print) -> dict:
+    """The simulated slowdown and auto powers; both time each device alone, before training.
+
+    Returns what was set up, for the result.
+    """
+    config = plan.config
+    info = {"simulated_slowdown": None, "auto_powers": None}
+    slowdown = parse_slowdown(config.simulate_slowdown)
+    if not slowdown and config.powers != AUTO:
+        return info
+    probe = max(1, config.batch_size // len(plan.devices))  # an even share
+    x, y = data_lib.first_examples(plan.train_data, probe)
+    names = [short_name(d) for d in plan.devices]
+    if slowdown:
+        factors = [slowdown.get(d, 1.0) for d in plan.devices]
+        delays = balance.calibrate_slowdown(trainer, x, y, factors)
+        info["simulated_slowdown"] = {
+            name: {"factor": f, "sleep_seconds_per_example": d}
+            for name, f, d in zip(names, factors, delays)
+            if f != 1
+        }
+        log(
+            "SIMULATED SLOWDOWN (for testing; not this machine's speed): "
+            + ", ".join(
+                f"{name} {f:g}x slower alone (sleeps {d * 1e3:.3f} ms per example)"
+                for name, f, d in zip(names, factors, delays)
+                if f != 1
+            )
+        )
+    if config.powers == AUTO:
+        rates = balance.measure_powers(trainer, x, y)
+        shards = balance.whole_shares(config.batch_size, rates)
+        trainer.set_shards(shards)
+        info["auto_powers"] = {
+            "devices": names,
+            "images_per_second": rates,
+            "powers": [r / min(rates) for r in rates],
+            "probe_examples": probe,
+        }
+        log(
+            f"auto powers, each device alone on {probe} examples: "
+            + ", ".join(f"{name} {r:.0f} images/s" for name, r in zip(names, rates))
+        )
+    return info
 
 
 class NonFiniteLoss(RuntimeError):
@@ -164,16 +249,20 @@ def first_non_finite(pending) -> int | None:
     return None
 
 
-def banner(plan: Plan, start_step: int) -> str:
+def banner(plan: Plan, start_step: int, shards: list[int]) -> str:
     """The batch arithmetic, printed once at start."""
     config, n = plan.config, len(plan.devices)
-    split = " + ".join(str(s) for s in plan.shards)
+    split = " + ".join(str(s) for s in shards)
     epochs = plan.total_steps / plan.steps_per_epoch
     text = (
         f"global batch {config.batch_size} = {split} over {n} device(s), mode {config.mode}; "
         f"{plan.steps_per_epoch} steps per epoch of {len(plan.train_data)} examples; "
         f"{plan.total_steps} iterations ({epochs:.2f} epochs) at learning rate {config.learning_rate}"
     )
+    if config.mode == "weighted":
+        text += f"; gradients summed by {config.reduce}"
+    if config.rebalance_every:
+        text += f"; re-split every {config.rebalance_every} iterations by measured device times"
     if start_step:
         text += f"; resuming at iteration {start_step} from {config.model_dir}"
     return text
@@ -205,8 +294,11 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
             progress.clear()
         log(line)
 
-    say(f"workload partition: {[(short_name(d), n) for d, n in zip(plan.devices, plan.shards)]}")
-    say(banner(plan, start_step))
+    split_info = set_up_split(plan, trainer, say)
+    shards = list(trainer.shards)
+    rebalancing = balance.Rebalancing(trainer, config.rebalance_every, say)
+    say(f"workload partition: {[(short_name(d), n) for d, n in zip(plan.devices, shards)]}")
+    say(banner(plan, start_step, shards))
 
     history, evals, pending = [], [], []
     metrics = None
@@ -258,10 +350,12 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
                             "images_per_second": (done - start_step) * batch / max(elapsed, 1e-9),
                             **{
                                 f"shard/{short_name(d)}": n
-                                for d, n in zip(plan.devices, plan.shards)
+                                for d, n in zip(plan.devices, trainer.shards)
                             },
                         },
                     )
+        if iteration > start_step:  # the first step's times include first-run costs
+            rebalancing.observe(iteration, metrics["device_seconds"])
         if progress:
             progress.update(done, metrics, force=done == plan.total_steps)
         side_start = time.perf_counter()
@@ -294,8 +388,13 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
         "model": config.model,
         "dataset": config.dataset,
         "devices": [short_name(d) for d in plan.devices],
-        "shards": plan.shards,
+        "shards": shards,
+        "final_shards": list(trainer.shards),
         "powers": config.powers if config.powers == AUTO else list(config.powers) or None,
+        "reduce": config.reduce if config.mode == "weighted" else None,
+        **split_info,
+        "rebalances": rebalancing.resplits,
+        "device_seconds": rebalancing.seconds(),
         "batch_size": batch,
         "iterations": plan.total_steps,
         "start_iteration": start_step,

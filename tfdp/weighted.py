@@ -8,6 +8,10 @@ One model copy lives on each device. Per step:
   4. device 0 applies plain SGD to its weights;
   5. device 0's new weights are copied to devices 1..n-1.
 With one device this is plain single-device training: no copies at all.
+
+The shard sizes live in a variable, so that a rebalanced split (balance.py)
+takes effect without tracing the step again; each step also reports how long
+every device took for its shard.
 """
 
 from __future__ import annotations
@@ -18,13 +22,13 @@ import tensorflow as tf
 
 from tfdp.data import eval_batches
 from tfdp.devices import split_batch
-from tfdp.steps import add_metrics, replica_correct, replica_gradients
+from tfdp.steps import add_metrics, replica_correct, timed_replica_gradients
 
 
 class WeightedTrainer:
     """Data-parallel SGD over devices of any kinds, with uneven shards."""
 
-    def __init__(self, make_model, weights, devices, shards, learning_rate):
+    def __init__(self, make_model, weights, devices, shards, learning_rate, slowdown=False):
         """
         Args:
           make_model: builds one fresh model copy.
@@ -32,10 +36,18 @@ class WeightedTrainer:
           devices: canonical device names; devices[0] holds the master weights.
           shards: examples per device; they sum to the global batch.
           learning_rate: plain SGD step size.
+          slowdown: build the simulated slowdown in (delays set by `set_delays`).
         """
         self.devices = list(devices)
         self.shards = list(shards)
         self.global_batch_size = sum(shards)
+        with tf.device("/cpu:0"):  # the batch is split on the host
+            self.shard_sizes = tf.Variable(shards, dtype=tf.int32, trainable=False)
+            self.delays = (
+                tf.Variable([0.0] * len(devices), dtype=tf.float64, trainable=False)
+                if slowdown
+                else None
+            )
         self.models = []
         for device in self.devices:
             with tf.device(device):
@@ -47,6 +59,7 @@ class WeightedTrainer:
             self.optimizer.build(self.models[0].trainable_variables)
         self._train_step = tf.function(self._step)
         self._eval_step = tf.function(self._correct, reduce_retracing=True)
+        self._seconds_alone = tf.function(self._alone)
 
     def distribute(self, dataset):
         """The iterator `train_step` reads: global batches, on the host."""
@@ -58,23 +71,55 @@ class WeightedTrainer:
 
     def _step(self, iterator):
         x, y = next(iterator)
-        gradients, metrics = [], []
-        for device, model, x_shard, y_shard in zip(
-            self.devices, self.models, tf.split(x, self.shards), tf.split(y, self.shards)
+        gradients, metrics, seconds = [], [], []
+        for i, (device, model, x_shard, y_shard) in enumerate(
+            zip(self.devices, self.models, self._split(x), self._split(y))
         ):
             with tf.device(device):
-                shard_gradients, shard_metrics = replica_gradients(
-                    model, x_shard, y_shard, self.global_batch_size
+                shard_gradients, shard_metrics, shard_seconds = timed_replica_gradients(
+                    model, x_shard, y_shard, self.global_batch_size, self._delay(i)
                 )
             gradients.append(shard_gradients)
             metrics.append(shard_metrics)
+            seconds.append(shard_seconds)
         master = self.models[0]
         with tf.device(self.devices[0]):
             summed = [tf.add_n(list(per_device)) for per_device in zip(*gradients)]
             self.optimizer.apply_gradients(zip(summed, master.trainable_variables))
             metrics = add_metrics(metrics)
         self.sync_copies()
-        return metrics
+        return {**metrics, "device_seconds": tf.stack(seconds)}
+
+    def _split(self, tensor):
+        """A global batch -> one shard per device, of the current sizes."""
+        if len(self.devices) == 1:
+            return [tensor]
+        return tf.split(tensor, self.shard_sizes, num=len(self.devices))
+
+    def _delay(self, index):
+        return None if self.delays is None else self.delays[index]
+
+    def set_shards(self, shards) -> None:
+        """Splits the following batches as `shards` (same global batch)."""
+        if sum(shards) != self.global_batch_size or len(shards) != len(self.devices):
+            raise ValueError(f"shards {shards} do not split {self.global_batch_size} examples")
+        self.shards = list(shards)
+        self.shard_sizes.assign(shards)
+
+    def set_delays(self, delays) -> None:
+        """Simulated slowdown: seconds of sleep per example, per device."""
+        self.delays.assign(delays)
+
+    def seconds_alone(self, x, y, index: int) -> float:
+        """Device `index`'s seconds for forward and backward on (x, y), the others idle."""
+        return float(self._seconds_alone(x, y, index))
+
+    def _alone(self, x, y, index):
+        with tf.device(self.devices[index]):
+            _, _, seconds = timed_replica_gradients(
+                self.models[index], x, y, self.global_batch_size, self._delay(index)
+            )
+        return seconds
 
     def sync_copies(self):
         """Copies device 0's weights to every other device."""

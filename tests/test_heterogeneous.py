@@ -1,0 +1,96 @@
+"""Measured powers, the simulated slowdown and rebalancing on logical CPUs.
+
+Speeds are never asserted: the simulated slowdown sleeps a calibrated time per
+example, so a slowed device is slower by construction; these tests check that
+the measurement sees it and that the split follows.
+"""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import CPUS, tfdp
+
+from tfdp import Config
+from tfdp.data import Arrays
+from tfdp.training import Plan, build_trainer, partition, set_up_split
+
+
+@pytest.fixture(scope="module")
+def images():
+    rng = np.random.default_rng(0)
+    return Arrays(
+        rng.integers(0, 256, (400, 28, 28, 1), dtype=np.uint8),
+        rng.integers(0, 10, 400).astype(np.int32),
+    )
+
+
+@pytest.mark.parametrize("reduce", ["device0", "allreduce"])
+def test_auto_powers_see_a_device_slowed_4x(reduce, images):
+    config = Config(
+        mode="weighted",
+        devices="cpu:0,cpu:1",
+        powers="auto",
+        batch_size=200,
+        reduce=reduce,
+        simulate_slowdown="cpu:1=4",
+    )
+    devices = CPUS[:2]
+    shards = partition(config, devices)
+    assert shards == [100, 100]  # auto starts even
+    plan = Plan(config, devices, shards, images, images, 2, 2)
+    trainer = build_trainer(config, devices, shards)
+    lines = []
+    info = set_up_split(plan, trainer, lines.append)
+    slowed = info["simulated_slowdown"]["CPU:1"]
+    assert slowed["factor"] == 4 and slowed["sleep_seconds_per_example"] > 0
+    assert list(info["simulated_slowdown"]) == ["CPU:1"]
+    rates = info["auto_powers"]["images_per_second"]
+    # Alone, cpu:1 computes like cpu:0 and then sleeps 3x its calibrated compute time.
+    assert rates[0] / rates[1] > 1.5
+    assert trainer.shards[0] > trainer.shards[1] and sum(trainer.shards) == 200
+    assert lines[0].startswith("SIMULATED SLOWDOWN (for testing")
+    assert lines[1].startswith("auto powers, each device alone on 100 examples: CPU:0 ")
+
+
+def test_no_balancing_options_measure_nothing(images):
+    config = Config(mode="weighted", devices="cpu:0,cpu:1", batch_size=200)
+    plan = Plan(config, CPUS[:2], [100, 100], images, images, 2, 2)
+    trainer = build_trainer(config, CPUS[:2], [100, 100])
+    lines = []
+    assert set_up_split(plan, trainer, lines.append) == {
+        "simulated_slowdown": None,
+        "auto_powers": None,
+    }
+    assert lines == [] and trainer.shards == [100, 100]
+
+
+@pytest.mark.mnist
+@pytest.mark.parametrize("reduce", ["device0", "allreduce"])
+def test_rebalancing_moves_work_off_a_slowed_device(reduce, mnist_dir, tmp_path):
+    path = tmp_path / "result.json"
+    process = tfdp(
+        "--mode=weighted",
+        f"--reduce={reduce}",
+        "--logical_cpus=2",
+        "--simulate_slowdown=cpu:1=4",
+        "--rebalance_every=3",
+        "--batch_size=256",
+        "--iterations=13",
+        "--log_every=5",
+        f"--mnist_dir={mnist_dir}",
+        f"--result_json={path}",
+    )
+    assert process.returncode == 0, process.stderr
+    assert "SIMULATED SLOWDOWN" in process.stdout
+    result = json.loads(path.read_text())
+    assert result["shards"] == [128, 128]
+    assert result["simulated_slowdown"]["CPU:1"]["factor"] == 4
+    first = result["rebalances"][0]
+    assert first["new"][1] < first["old"][1] == 128  # work moves off the slow device
+    assert first["seconds"][1] > first["seconds"][0]
+    assert result["final_shards"] == result["rebalances"][-1]["new"]
+    assert f"rebalanced after iteration {first['iteration']}: shares [128, 128] -> " in (
+        process.stdout
+    )
+    assert len(result["device_seconds"]) == 2
