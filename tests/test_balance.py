@@ -104,6 +104,11 @@ def test_rebalancer_moves_part_of_the_way():
     new = Rebalancer(BATCH, damping=0.5).propose([512, 512], [0.5, 2.0])
     assert new == [666, 358]  # halfway from 512 to 819.2
     assert Rebalancer(BATCH, damping=1.0).propose([512, 512], [0.5, 2.0]) == [819, 205]
+    # A run's first re-split replaces a guess: it goes all the way.
+    assert Rebalancer(BATCH, damping=0.5).propose([512, 512], [0.5, 2.0], first=True) == [
+        819,
+        205,
+    ]
 
 
 def test_powers_from_seconds():

@@ -83,3 +83,42 @@ def test_bench_smoke(tmp_path):
     assert [r["shards"] for r in measured if r["name"] == "tfdp weighted 1:3"] == [[8, 24]]
     assert "| tfdp weighted 1:3 | 2 |" in process.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mixed_suite_smoke(tmp_path):
+    import subprocess
+    import sys
+
+    jsonl, png = tmp_path / "mixed.jsonl", tmp_path / "mixed.png"
+    process = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tfdp.bench",
+            "--suite=mixed",
+            "--synthetic",
+            "--rounds=1",
+            "--iterations=6",
+            "--warmup=1",
+            "--batch_size=64",
+            "--sweep=16",
+            "--only=auto,dynamic (every 5)",
+            f"--json={jsonl}",
+            f"--plot={png}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert "SIMULATED slowdown cpu:1=4" in process.stdout.splitlines()[0]
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    rows = {r["configuration"]: r for r in records if r.get("summary")}
+    assert list(rows) == ["even split", "auto", "dynamic (every 5)"]
+    assert rows["even split"]["vs_even"] == 1.0
+    assert rows["even split"]["start_shards"] == [32, 32]
+    # The slowed device is measured slower, so auto gives it less.
+    assert rows["auto"]["start_shards"][1] < 32 and rows["auto"]["probe_seconds"] > 0
+    measured = [r for r in records if not r.get("summary")]
+    assert all(r["delays"][0] == 0 and r["delays"][1] > 0 for r in measured)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

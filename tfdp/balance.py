@@ -76,8 +76,13 @@ class Rebalancer:
     tolerance: float = TOLERANCE
     min_move: float = MIN_MOVE
 
-    def propose(self, shards: Sequence[int], seconds: Sequence[float]) -> list[int]:
+    def propose(
+        self, shards: Sequence[int], seconds: Sequence[float], first: bool = False
+    ) -> list[int]:
         """New shares, given each device's compute seconds per step at `shards`.
+
+        The `first` re-split of a run goes all the way: its starting split was
+        a guess, and there is no earlier measurement to weigh against.
 
         Returns `shards` unchanged when the times already agree within the
         tolerance, or when no share would move by `min_move` of the batch.
@@ -87,7 +92,8 @@ class Rebalancer:
         rates = [s / t for s, t in zip(shards, seconds, strict=True)]
         balanced = [r / sum(rates) for r in rates]
         current = [s / self.global_batch for s in shards]
-        moved = [c + self.damping * (b - c) for c, b in zip(current, balanced)]
+        damping = 1.0 if first else self.damping
+        moved = [c + damping * (b - c) for c, b in zip(current, balanced)]
         proposed = whole_shares(self.global_batch, moved)
         largest_move = max(abs(p - s) for p, s in zip(proposed, shards))
         if largest_move < self.min_move * self.global_batch:
@@ -152,7 +158,7 @@ class Rebalancing:
         seconds = self.last_seconds = self.seconds()
         self.window = []
         old = list(self.trainer.shards)
-        new = self.rebalancer.propose(old, seconds)
+        new = self.rebalancer.propose(old, seconds, first=not self.resplits)
         if new == old:
             return
         self.trainer.set_shards(new)
@@ -251,7 +257,7 @@ def simulate(
         if rebalance_every and (step + 1) % rebalance_every == 0:
             medians = [statistics.median(column) for column in zip(*window)]
             window = []
-            proposed = rebalancer.propose(shards, medians)
+            proposed = rebalancer.propose(shards, medians, first=not history.resplits)
             if proposed != shards:
                 shards = proposed
                 history.resplits.append(step)

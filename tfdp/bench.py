@@ -8,6 +8,9 @@ timed), then resets the weights and the input to the start and times the
 tutorial's run: LeNet, batch 1024, 50 iterations.
 
   tfdp-bench --mnist_dir=../shared/data/mnist --json=bench.jsonl --plot=bench.png
+
+`--suite=mixed` measures the ways of splitting a batch over devices of
+unequal speed instead (see bench_mixed.py).
 """
 
 from __future__ import annotations
@@ -39,6 +42,21 @@ flags.DEFINE_bool("synthetic", False, "Random images of MNIST's shape instead of
 flags.DEFINE_string("mnist_dir", None, "MNIST IDX files (default: $TFDP_MNIST_DIR, else tfds).")
 flags.DEFINE_string("json", None, "Append one JSON line per measurement and per table row.")
 flags.DEFINE_string("plot", None, "Draw images/s against device count per mode (PNG).")
+flags.DEFINE_enum(
+    "suite",
+    "scaling",
+    ["scaling", "mixed"],
+    "scaling: the tutorial's table over device counts; mixed: splits over unequal devices.",
+)
+flags.DEFINE_list("mixed_devices", ["cpu:0", "cpu:1"], "mixed: the two devices.")
+flags.DEFINE_string(
+    "slowdown",
+    "cpu:1=4",
+    "mixed: simulated slowdown DEVICE=FACTOR (empty on really unequal devices).",
+)
+flags.DEFINE_list(
+    "sweep", ["96", "128", "160", "192", "256"], "mixed: static shares of the slow device."
+)
 flags.DEFINE_string("worker", None, "Internal: measure one configuration given as JSON.")
 
 # LeNet-5 on a 28x28 image, multiply-adds of each layer's forward pass.
@@ -95,18 +113,10 @@ def device_names(kind: str, n: int) -> list[str]:
     return [f"/device:GPU:{i}" for i in range(n)]
 
 
-def load_arrays(synthetic: bool, mnist_dir: str | None, seed: int = 0):
-    import numpy as np
-
+def load_arrays(synthetic: bool, mnist_dir: str | None):
     from tfdp import data
 
-    if synthetic:
-        rng = np.random.default_rng(seed)
-        return data.Arrays(
-            rng.integers(0, 256, (60000, 28, 28, 1), dtype=np.uint8),
-            rng.integers(0, 10, 60000).astype(np.int32),
-        )
-    return data.load_mnist("train", mnist_dir=mnist_dir)
+    return data.synthetic_mnist() if synthetic else data.load_mnist("train", mnist_dir=mnist_dir)
 
 
 def measure_matmul(n: int = 2048, repeats: int = 10) -> dict:
@@ -206,6 +216,12 @@ def measure_keras(spec: Spec, job: dict) -> dict:
 
 
 def run_worker(job: dict) -> dict:
+    if job.get("suite") == "mixed":
+        from tfdp import bench_mixed
+
+        if job.get("calibrate"):
+            return bench_mixed.calibrate(job)
+        return bench_mixed.measure(bench_mixed.MixedSpec(**job["spec"]), job)
     spec = Spec(**{**job["spec"], "powers": tuple(job["spec"]["powers"])})
     if spec.system == "matmul":
         return measure_matmul()
@@ -218,15 +234,16 @@ def run_worker(job: dict) -> dict:
 # ---------------------------------------------------------------- the parent
 
 
-def measure_in_subprocess(spec: Spec, job: dict) -> dict:
-    job = {**job, "spec": dataclasses.asdict(spec)}
+def measure_in_subprocess(spec, job: dict) -> dict:
+    job = {**job, "spec": dataclasses.asdict(spec) if spec else None}
     process = subprocess.run(
         [sys.executable, "-m", "tfdp.bench", f"--worker={json.dumps(job)}"],
         capture_output=True,
         text=True,
     )
     if process.returncode != 0:
-        raise RuntimeError(f"{spec.name} failed:\n{process.stderr[-3000:]}")
+        name = spec.name if spec else "calibration"
+        raise RuntimeError(f"{name} failed:\n{process.stderr[-3000:]}")
     return json.loads(process.stdout.strip().splitlines()[-1])
 
 
@@ -335,16 +352,85 @@ def draw(rows, path: str, title: str) -> None:
     figure.savefig(path, dpi=100)
 
 
+def run_mixed(mnist_dir) -> None:
+    from tfdp import bench_mixed
+    from tfdp.devices import parse_slowdown
+
+    slowdown = parse_slowdown(FLAGS.slowdown)
+    factor = max(slowdown.values(), default=1.0)
+    job = {
+        "suite": "mixed",
+        "devices": FLAGS.mixed_devices,
+        "slowdown": FLAGS.slowdown,
+        "batch_size": FLAGS.batch_size,
+        "iterations": FLAGS.iterations,
+        "warmup": FLAGS.warmup,
+        "synthetic": FLAGS.synthetic,
+        "mnist_dir": mnist_dir,
+        "delays": None,
+    }
+    if slowdown:
+        job["delays"] = measure_in_subprocess(None, {**job, "calibrate": True})["delays"]
+    data = "synthetic images" if FLAGS.synthetic else "MNIST"
+    print(
+        f"LeNet on {data}, batch {FLAGS.batch_size}, {FLAGS.iterations} timed iterations after "
+        f"{FLAGS.warmup} warm-up; {FLAGS.rounds} interleaved rounds on "
+        f"{', '.join(FLAGS.mixed_devices)}"
+        + (
+            f"; SIMULATED slowdown {FLAGS.slowdown} (sleep per example: "
+            f"{', '.join(f'{d * 1e3:.3f} ms' for d in job['delays'])})"
+            if slowdown
+            else ""
+        ),
+        flush=True,
+    )
+    specs = bench_mixed.mixed_configurations(
+        factor, [int(s) for s in FLAGS.sweep], FLAGS.batch_size
+    )
+    if FLAGS.only:
+        specs = [s for s in specs if s.name in FLAGS.only or s.name == "even split"]
+    measurements = {spec.name: [] for spec in specs}
+    out = open(FLAGS.json, "a") if FLAGS.json else None
+    for round_index in range(FLAGS.rounds):
+        for spec in specs:
+            measured = measure_in_subprocess(spec, job)
+            measurements[spec.name].append(measured)
+            print(
+                f"round {round_index + 1}: {spec.name}: {measured['images_per_second']:.0f} "
+                f"images/s, shares {measured['start_shards']} -> {measured['final_shards']}",
+                flush=True,
+            )
+            if out:
+                record = {"round": round_index + 1, **dataclasses.asdict(spec), **job, **measured}
+                out.write(json.dumps(record) + "\n")
+    rows = bench_mixed.summarize(specs, measurements)
+    print()
+    print(bench_mixed.format_table(rows))
+    if out:
+        for row in rows:
+            out.write(json.dumps({"summary": True, "suite": "mixed", **row}) + "\n")
+        out.close()
+    if FLAGS.plot:
+        title = f"LeNet, batch {FLAGS.batch_size}, {' + '.join(FLAGS.mixed_devices)}" + (
+            f", {FLAGS.slowdown} simulated" if slowdown else ""
+        )
+        bench_mixed.draw(rows, FLAGS.plot, title, FLAGS.batch_size)
+        print(f"chart: {FLAGS.plot}")
+
+
 def main(argv) -> None:
     if FLAGS.worker:
         print(json.dumps(run_worker(json.loads(FLAGS.worker))))
+        return
+    mnist_dir = FLAGS.mnist_dir or os.environ.get("TFDP_MNIST_DIR")
+    if FLAGS.suite == "mixed":
+        run_mixed(mnist_dir)
         return
     counts = [int(c) for c in FLAGS.device_counts]
     kind = detect_kind() if FLAGS.devices == "auto" else FLAGS.devices
     specs = configurations(counts, [float(p) for p in FLAGS.uneven_powers])
     if FLAGS.only:
         specs = [s for s in specs if s.name in FLAGS.only or s.system == "matmul"]
-    mnist_dir = FLAGS.mnist_dir or os.environ.get("TFDP_MNIST_DIR")
     job = {
         "kind": kind,
         "batch_size": FLAGS.batch_size,

@@ -171,6 +171,15 @@ def load_mnist(split="train", mnist_dir=None, data_dir=None):
     return load_mnist_tfds(split, data_dir=data_dir)
 
 
+def synthetic_mnist(num_examples=60000, seed=0):
+    """Random images and labels of MNIST's shapes and types (for benchmarks without the data)."""
+    rng = np.random.default_rng(seed)
+    return Arrays(
+        rng.integers(0, 256, (num_examples, 28, 28, 1), dtype=np.uint8),
+        rng.integers(0, 10, num_examples).astype(np.int32),
+    )
+
+
 def make_toy_data(
     seed, num_examples=10000, num_classes=10, num_features=128, sigma=0.1, split="train"
 ):
