@@ -81,11 +81,17 @@ def _config(spec: MixedSpec, job: dict):
 
 def _set_up(spec: MixedSpec, job: dict):
     from tfdp import configure_logical_devices
-    from tfdp.devices import available_devices, parse_devices
+    from tfdp.devices import (
+        available_devices,
+        parse_devices,
+        parse_slowdown,
+        reserve_sleeping_threads,
+    )
     from tfdp.training import build_trainer, partition
 
-    configure_logical_devices(logical_cpus=logical_cpus_for(job["devices"]))
     config = _config(spec, job)
+    reserve_sleeping_threads(len(parse_slowdown(config.simulate_slowdown)))
+    configure_logical_devices(logical_cpus=logical_cpus_for(job["devices"]))
     devices = parse_devices(config.devices, available_devices())
     trainer = build_trainer(config, devices, partition(config, devices))
     return config, devices, trainer
@@ -229,15 +235,15 @@ def draw(rows, path: str, title: str, batch_size: int) -> None:
             color="black",
             label="static splits (sweep)",
         )
-    for r in rows:
-        if r["configuration"].startswith("share "):
-            continue
-        line = axes.axhline(r["images_per_second"], linestyle="--", linewidth=1)
+    others = [r for r in rows if not r["configuration"].startswith("share ")]
+    for i, r in enumerate(others):
+        color = f"C{i}"
+        axes.axhline(r["images_per_second"], linestyle="--", linewidth=1, color=color)
         axes.plot(
             [r["final_shards"][1]],
             [r["images_per_second"]],
             marker="s",
-            color=line.get_color(),
+            color=color,
             label=f"{r['configuration']} (ends at {r['final_shards'][1]})",
         )
     axes.set_xlabel(f"examples on the slow device (of {batch_size})")

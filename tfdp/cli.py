@@ -29,7 +29,11 @@ from tfdp.config import (  # noqa: E402
     REDUCES,
     Config,
 )
-from tfdp.devices import configure_logical_devices  # noqa: E402
+from tfdp.devices import (  # noqa: E402
+    configure_logical_devices,
+    parse_slowdown,
+    reserve_sleeping_threads,
+)
 from tfdp.errors import ConfigError  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -225,6 +229,7 @@ def main(argv: list[str]) -> None:
     try:
         config = config_from_flags()
         check_writable("result_json", FLAGS.result_json)
+        reserve_sleeping_threads(len(parse_slowdown(config.simulate_slowdown)))
         configure_logical_devices(FLAGS.logical_cpus, FLAGS.logical_gpus)
         from tfdp import training  # imports TensorFlow: after the checks that need none
 

@@ -185,6 +185,23 @@ def _canonical_logical_name(name: str) -> str:
     return "/device:" + name.rsplit("device:", 1)[-1]
 
 
+def reserve_sleeping_threads(count: int) -> None:
+    """Gives TensorFlow's inter-op thread pool `count` threads more than it has cores.
+
+    A simulated slowdown sleeps inside an op, holding one inter-op thread for
+    the length of the sleep; without a spare thread, the other devices' ops
+    can queue behind it and the slowdown leaks onto them. Must run before
+    TensorFlow initialises its runtime.
+    """
+    if not count:
+        return
+    import os
+
+    import tensorflow as tf
+
+    tf.config.threading.set_inter_op_parallelism_threads((os.cpu_count() or 1) + count)
+
+
 def configure_logical_devices(
     logical_cpus: int = 0, logical_gpus: int = 0, gpu_memory_mb: int = 1024
 ) -> None:
