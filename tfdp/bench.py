@@ -221,7 +221,7 @@ def run_worker(job: dict) -> dict:
 
         if job.get("calibrate"):
             return bench_mixed.calibrate(job)
-        return bench_mixed.measure(bench_mixed.MixedSpec(**job["spec"]), job)
+        return {"results": bench_mixed.measure_round(job)}
     spec = Spec(**{**job["spec"], "powers": tuple(job["spec"]["powers"])})
     if spec.system == "matmul":
         return measure_matmul()
@@ -242,7 +242,7 @@ def measure_in_subprocess(spec, job: dict) -> dict:
         text=True,
     )
     if process.returncode != 0:
-        name = spec.name if spec else "calibration"
+        name = spec.name if spec else ("calibration" if job.get("calibrate") else "a mixed round")
         raise RuntimeError(f"{name} failed:\n{process.stderr[-3000:]}")
     return json.loads(process.stdout.strip().splitlines()[-1])
 
@@ -392,16 +392,19 @@ def run_mixed(mnist_dir) -> None:
     measurements = {spec.name: [] for spec in specs}
     out = open(FLAGS.json, "a") if FLAGS.json else None
     for round_index in range(FLAGS.rounds):
-        for spec in specs:
-            measured = measure_in_subprocess(spec, job)
-            measurements[spec.name].append(measured)
+        shift = round_index % len(specs)  # rotate the order from round to round
+        order = specs[shift:] + specs[:shift]
+        round_job = {**job, "specs": [dataclasses.asdict(s) for s in order]}
+        for measured in measure_in_subprocess(None, round_job)["results"]:
+            measurements[measured["name"]].append(measured)
             print(
-                f"round {round_index + 1}: {spec.name}: {measured['images_per_second']:.0f} "
-                f"images/s, shares {measured['start_shards']} -> {measured['final_shards']}",
+                f"round {round_index + 1}: {measured['name']}: "
+                f"{measured['images_per_second']:.0f} images/s, shares "
+                f"{measured['start_shards']} -> {measured['final_shards']}",
                 flush=True,
             )
             if out:
-                record = {"round": round_index + 1, **dataclasses.asdict(spec), **job, **measured}
+                record = {"round": round_index + 1, **job, **measured}
                 out.write(json.dumps(record) + "\n")
     rows = bench_mixed.summarize(specs, measurements)
     print()

@@ -12,10 +12,12 @@ slowdown (`--slowdown=cpu:1=4`, the default there). Rows:
   auto + dynamic      both
   share s             a sweep of static splits: the slow device gets s examples
 
-The slowdown's sleep per example is calibrated once, in the parent, and the
-same value is given to every configuration, so that all of them face the same
-slow device. Auto's probe is timed separately (it runs once per run, before
-training); the rows time the training steps only.
+The slowdown's sleep per example is calibrated once, in a process of its
+own, and the same value is given to every configuration, so that all of them
+face the same slow device. Each round is one process that measures every
+configuration (in an order rotated from round to round), and ratios are
+taken within a round. Auto's probe is timed separately (it runs once per
+run, before training); the rows time the training steps only.
 """
 
 from __future__ import annotations
@@ -79,22 +81,26 @@ def _config(spec: MixedSpec, job: dict):
     )
 
 
-def _set_up(spec: MixedSpec, job: dict):
+def _set_up_process(job: dict) -> None:
+    """Threads and logical devices: once per process, before TensorFlow starts."""
     from tfdp import configure_logical_devices
-    from tfdp.devices import (
-        available_devices,
-        parse_devices,
-        parse_slowdown,
-        reserve_sleeping_threads,
-    )
+    from tfdp.devices import parse_slowdown, reserve_sleeping_threads
+
+    reserve_sleeping_threads(len(parse_slowdown(job["slowdown"])))
+    configure_logical_devices(logical_cpus=logical_cpus_for(job["devices"]))
+
+
+def _build(reduce: str, job: dict):
+    """A weighted trainer (even shares to start), with the job's slowdown."""
+    from tfdp.devices import available_devices, parse_devices
     from tfdp.training import build_trainer, partition
 
-    config = _config(spec, job)
-    reserve_sleeping_threads(len(parse_slowdown(config.simulate_slowdown)))
-    configure_logical_devices(logical_cpus=logical_cpus_for(job["devices"]))
+    config = _config(MixedSpec("", (), reduce=reduce), job)
     devices = parse_devices(config.devices, available_devices())
     trainer = build_trainer(config, devices, partition(config, devices))
-    return config, devices, trainer
+    if job.get("delays"):
+        trainer.set_delays(job["delays"])
+    return config, trainer
 
 
 def calibrate(job: dict) -> dict:
@@ -103,43 +109,68 @@ def calibrate(job: dict) -> dict:
     from tfdp.data import first_examples
     from tfdp.devices import parse_slowdown
 
-    config, devices, trainer = _set_up(MixedSpec("calibration"), job)
+    _set_up_process(job)
+    config, trainer = _build("device0", {**job, "delays": None})
     slowdown = parse_slowdown(config.simulate_slowdown)
-    arrays = load_arrays(job)
-    x, y = first_examples(arrays, config.batch_size // len(devices))
-    factors = [slowdown.get(d, 1.0) for d in devices]
+    x, y = first_examples(load_arrays(job), config.batch_size // len(trainer.devices))
+    factors = [slowdown.get(d, 1.0) for d in trainer.devices]
     return {"delays": calibrate_slowdown(trainer, x, y, factors)}
 
 
-def measure(spec: MixedSpec, job: dict) -> dict:
-    """Warm up, then time `iterations` steps from the starting split."""
+def measure_round(job: dict) -> list[dict]:
+    """Every configuration once, in one process, in the order given.
+
+    A process on a shared machine can run at one of several speeds for its
+    whole life; measuring all configurations in the same process lets the
+    ratios between them cancel that out. The trainers (one per reduction) are
+    built once; each configuration resets the weights and its shares.
+    """
+    _set_up_process(job)
+    arrays = load_arrays(job)
+    trainers = {}
+    results = []
+    for fields in job["specs"]:
+        spec = MixedSpec(**{**fields, "powers": _powers(fields["powers"])})
+        if spec.reduce not in trainers:
+            trainers[spec.reduce] = _build(spec.reduce, job)
+        config, trainer = trainers[spec.reduce]
+        results.append({"name": spec.name, **measure(spec, config, trainer, arrays, job)})
+    return results
+
+
+def _powers(value):
+    return value if value == "auto" else tuple(value)
+
+
+def measure(spec: MixedSpec, config, trainer, arrays, job: dict) -> dict:
+    """From the initial weights and the spec's starting split: warm up, then time."""
     from tfdp.balance import Rebalancing, measure_powers, whole_shares
     from tfdp.data import first_examples, train_dataset
+    from tfdp.devices import split_batch
+    from tfdp.models import initial_weights
 
-    config, devices, trainer = _set_up(spec, job)
-    if job["delays"]:
-        trainer.set_delays(job["delays"])
-    arrays = load_arrays(job)
+    batch = config.batch_size
     probe_seconds, powers = 0.0, None
     if spec.powers == "auto":
         start = time.perf_counter()
-        x, y = first_examples(arrays, config.batch_size // len(devices))
+        x, y = first_examples(arrays, batch // len(trainer.devices))
         powers = measure_powers(trainer, x, y)
-        trainer.set_shards(whole_shares(config.batch_size, powers))
+        start_shards = whole_shares(batch, powers)
         probe_seconds = time.perf_counter() - start
-    start_shards = list(trainer.shards)
-    initial = trainer.get_weights()
+    else:
+        start_shards = split_batch(batch, spec.powers)
 
     def run(iterations, rebalancing=None):
-        iterator = trainer.distribute(train_dataset(arrays, config.batch_size, config.seed))
+        iterator = trainer.distribute(train_dataset(arrays, batch, config.seed))
         for i in range(iterations):
             metrics = trainer.train_step(iterator)
             if rebalancing:
                 rebalancing.observe(i, metrics["device_seconds"])
         float(metrics["loss_sum"])  # wait for the last step
 
-    run(job["warmup"])
-    trainer.set_weights(initial)
+    trainer.set_shards(start_shards)
+    run(job["warmup"])  # also warms the kernels for these shard shapes
+    trainer.set_weights(initial_weights(config.model, config.init, config.seed))
     trainer.set_shards(start_shards)
     rebalancing = Rebalancing(trainer, spec.rebalance_every, log=lambda line: None)
     start = time.perf_counter()
@@ -147,7 +178,7 @@ def measure(spec: MixedSpec, job: dict) -> dict:
     seconds = time.perf_counter() - start
     return {
         "seconds": seconds,
-        "images_per_second": job["iterations"] * config.batch_size / seconds,
+        "images_per_second": job["iterations"] * batch / seconds,
         "start_shards": start_shards,
         "final_shards": list(trainer.shards),
         "resplits": len(rebalancing.resplits),
@@ -158,13 +189,21 @@ def measure(spec: MixedSpec, job: dict) -> dict:
 
 
 def summarize(specs, measurements) -> list[dict]:
-    """Medians over the rounds; ratios to the even split and to the best swept split."""
+    """Medians over the rounds. Ratios are taken within each round (one process),
+    then their median is reported."""
     median = {
         s.name: statistics.median(m["images_per_second"] for m in measurements[s.name])
         for s in specs
     }
     swept = [s.name for s in specs if s.name.startswith("share ")]
     best = max(swept, key=median.get) if swept else None
+
+    def ratio_to(name, other):
+        return statistics.median(
+            m["images_per_second"] / o["images_per_second"]
+            for m, o in zip(measurements[name], measurements[other])
+        )
+
     rows = []
     for spec in specs:
         runs = measurements[spec.name]
@@ -180,8 +219,8 @@ def summarize(specs, measurements) -> list[dict]:
                 "images_per_second": median[spec.name],
                 "images_per_second_min": min(rates),
                 "images_per_second_max": max(rates),
-                "vs_even": median[spec.name] / median["even split"],
-                "vs_best_sweep": median[spec.name] / median[best] if best else None,
+                "vs_even": ratio_to(spec.name, "even split"),
+                "vs_best_sweep": ratio_to(spec.name, best) if best else None,
                 "best_sweep": best,
                 "probe_seconds": statistics.median(m["probe_seconds"] for m in runs),
                 "rounds": len(runs),
