@@ -7,12 +7,13 @@ import math
 
 from tfdp.errors import ConfigError
 
-MODES = ("single", "mirrored", "weighted")
+MODES = ("single", "mirrored", "weighted", "multiworker")
 MODELS = ("lenet", "toy")
 DATASETS = ("mnist", "toy")
 INITS = ("tutorial", "keras")
 ALL_REDUCES = ("auto", "reduce_to_one", "nccl")
 MIRRORED_INPUTS = ("split", "dataset")
+COLLECTIVES = ("auto", "ring", "nccl")
 # Each model reads one kind of input.
 DATASET_OF_MODEL = {"lenet": "mnist", "toy": "toy"}
 DEFAULT_ITERATIONS = 50  # the tutorial's run
@@ -23,7 +24,7 @@ AUTO = "auto"  # powers measured on the devices at start-up
 class Config:
     """One training run. Defaults reproduce the MXNet tutorial's LeNet run."""
 
-    mode: str = "single"  # single | mirrored | weighted
+    mode: str = "single"  # single | mirrored | weighted | multiworker
     model: str = "lenet"  # lenet | toy
     dataset: str | None = None  # None: the model's own (lenet: mnist, toy: toy)
     devices: str = ""  # comma list or 'all'; '': single -> first device, others -> all
@@ -49,6 +50,10 @@ class Config:
     mirrored_input: str = (
         "split"  # mirrored: split on the host | dataset (experimental_distribute_dataset)
     )
+    collective: str = (
+        "auto"  # multiworker: auto | ring | nccl (CommunicationOptions.implementation)
+    )
+    collective_timeout: float = 0.0  # multiworker: seconds an all-reduce may wait; 0: no limit
 
     def __post_init__(self):
         if self.dataset is None:
@@ -78,6 +83,7 @@ def validate(config: Config) -> None:
     _choice(config, "init", INITS)
     _choice(config, "all_reduce", ALL_REDUCES)
     _choice(config, "mirrored_input", MIRRORED_INPUTS)
+    _choice(config, "collective", COLLECTIVES)
     for field in (
         "batch_size",
         "log_every",
@@ -108,12 +114,26 @@ def validate(config: Config) -> None:
         raise ConfigError("learning_rate", lr, "must be a positive finite number")
     if isinstance(config.seed, bool) or not isinstance(config.seed, int) or config.seed < 0:
         raise ConfigError("seed", config.seed, "must be a non-negative integer")
-    if config.powers and config.mode != "weighted":
+    if config.powers and config.mode not in ("weighted", "multiworker"):
         raise ConfigError(
-            "powers", config.powers, f"applies to mode weighted only, not {config.mode}"
+            "powers",
+            config.powers,
+            f"applies to modes weighted and multiworker only, not {config.mode}",
         )
     for p in () if config.powers == AUTO else config.powers:
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p <= 0:
             raise ConfigError(
                 "powers", config.powers, f"every power must be a positive finite number, got {p!r}"
             )
+    timeout = config.collective_timeout
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not math.isfinite(timeout)
+        or timeout < 0
+    ):
+        raise ConfigError(
+            "collective_timeout",
+            timeout,
+            "must be a finite number of seconds, 0 (no limit) or more",
+        )
