@@ -128,15 +128,24 @@ def launch(workers: int, flags: list[str], grace_seconds: float = DEFAULT_GRACE_
 
     status, deadline = 0, None
     try:
-        while any(p.poll() is None for p in processes):
-            for i, p in enumerate(processes):
-                if status == 0 and p.returncode not in (None, 0):
-                    status = 128 - p.returncode if p.returncode < 0 else p.returncode
-                    deadline = time.monotonic() + grace_seconds
-                    say(
-                        f"worker {i} failed ({_status_text(p.returncode)}); the others stop "
-                        f"by themselves or are stopped in {grace_seconds:g} s"
+        while True:
+            codes = [p.poll() for p in processes]
+            failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+            if failed and status == 0:
+                i, code = failed[0]
+                status = 128 - code if code < 0 else code
+                deadline = time.monotonic() + grace_seconds
+                running = None in codes
+                say(
+                    f"worker {i} failed ({_status_text(code)})"
+                    + (
+                        f"; the others are stopped if still running in {grace_seconds:g} s"
+                        if running
+                        else ""
                     )
+                )
+            if all(code is not None for code in codes):
+                break
             if deadline is not None and time.monotonic() > deadline:
                 _stop(processes, say)
                 break
@@ -150,9 +159,6 @@ def launch(workers: int, flags: list[str], grace_seconds: float = DEFAULT_GRACE_
         status = 130
     for thread in threads:
         thread.join(timeout=5)
-    if status == 0:
-        failed = [p.returncode for p in processes if p.returncode != 0]
-        status = (128 - failed[0] if failed[0] < 0 else failed[0]) if failed else 0
     return status
 
 
@@ -170,7 +176,7 @@ def _die_with_parent() -> None:
     if sys.platform == "linux":
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
 def _wait_or_kill(processes, seconds: float, say) -> None:
