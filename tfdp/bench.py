@@ -38,6 +38,12 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_list("uneven_powers", ["1", "3"], "Powers of the uneven weighted configuration.")
 flags.DEFINE_list("only", [], "Measure only these configurations (names as in the table).")
+flags.DEFINE_list(
+    "workers",
+    [],
+    "Also measure mode multiworker with these worker counts, e.g. 1,2: one local process per "
+    "worker on loopback, as tfdp-launch starts them. Default: none.",
+)
 flags.DEFINE_bool("synthetic", False, "Random images of MNIST's shape instead of MNIST.")
 flags.DEFINE_string("mnist_dir", None, "MNIST IDX files (default: $TFDP_MNIST_DIR, else tfds).")
 flags.DEFINE_string("json", None, "Append one JSON line per measurement and per table row.")
@@ -76,12 +82,12 @@ class Spec:
 
     name: str
     system: str  # tfdp | keras | matmul
-    mode: str  # single | mirrored | weighted | fit
-    devices: int
+    mode: str  # single | mirrored | weighted | multiworker | fit
+    devices: int  # multiworker: workers
     powers: tuple[float, ...] = ()
 
 
-def configurations(counts, uneven_powers) -> list[Spec]:
+def configurations(counts, uneven_powers, worker_counts=()) -> list[Spec]:
     specs = [Spec("matmul peak", "matmul", "matmul", 1)]
     for n in counts:
         if n == 1:
@@ -98,6 +104,7 @@ def configurations(counts, uneven_powers) -> list[Spec]:
     if 2 in counts and uneven_powers:
         label = ":".join(f"{p:g}" for p in uneven_powers)
         specs.append(Spec(f"tfdp weighted {label}", "tfdp", "weighted", 2, tuple(uneven_powers)))
+    specs += [Spec(f"tfdp multiworker x{n}", "tfdp", "multiworker", n) for n in worker_counts]
     return specs
 
 
@@ -137,7 +144,6 @@ def measure_matmul(n: int = 2048, repeats: int = 10) -> dict:
 
 def measure_tfdp(spec: Spec, job: dict) -> dict:
     from tfdp import Config
-    from tfdp.data import train_dataset
     from tfdp.devices import short_name
     from tfdp.training import build_trainer, partition
 
@@ -150,7 +156,28 @@ def measure_tfdp(spec: Spec, job: dict) -> dict:
     )
     shards = partition(config, devices)
     arrays = load_arrays(job["synthetic"], job["mnist_dir"])
-    trainer = build_trainer(config, devices, shards)
+    return time_tutorial_run(build_trainer(config, devices, shards), config, arrays, job)
+
+
+def measure_multiworker(spec: Spec, job: dict) -> dict:
+    """This worker's timing of the cluster's run; TF_CONFIG names the cluster."""
+    from tfdp import Config
+    from tfdp.multiworker import join_cluster, read_cluster
+    from tfdp.training import build_trainer, partition
+
+    config = Config(mode="multiworker", powers=spec.powers, batch_size=job["batch_size"])
+    workers = list(read_cluster().workers)
+    shards = partition(config, workers)
+    join_cluster(config)  # before any other TensorFlow op
+    arrays = load_arrays(job["synthetic"], job["mnist_dir"])
+    return time_tutorial_run(build_trainer(config, workers, shards), config, arrays, job)
+
+
+def time_tutorial_run(trainer, config, arrays, job: dict) -> dict:
+    """Warms up, resets the weights and the input, then times the tutorial's run."""
+    from tfdp.data import train_dataset
+
+    shards = trainer.shards
     initial = trainer.get_weights()
 
     def tutorial_run(iterations):
@@ -225,7 +252,10 @@ def run_worker(job: dict) -> dict:
     spec = Spec(**{**job["spec"], "powers": tuple(job["spec"]["powers"])})
     if spec.system == "matmul":
         return measure_matmul()
-    measure = measure_tfdp if spec.system == "tfdp" else measure_keras
+    if spec.mode == "multiworker":
+        measure = measure_multiworker
+    else:
+        measure = measure_tfdp if spec.system == "tfdp" else measure_keras
     result = measure(spec, job)
     result["images_per_second"] = job["iterations"] * job["batch_size"] / result["seconds"]
     return result
@@ -236,15 +266,35 @@ def run_worker(job: dict) -> dict:
 
 def measure_in_subprocess(spec, job: dict) -> dict:
     job = {**job, "spec": dataclasses.asdict(spec) if spec else None}
-    process = subprocess.run(
-        [sys.executable, "-m", "tfdp.bench", f"--worker={json.dumps(job)}"],
-        capture_output=True,
-        text=True,
-    )
+    command = [sys.executable, "-m", "tfdp.bench", f"--worker={json.dumps(job)}"]
+    if spec is not None and spec.mode == "multiworker":
+        return measure_in_cluster(spec, command)
+    process = subprocess.run(command, capture_output=True, text=True)
     if process.returncode != 0:
         name = spec.name if spec else ("calibration" if job.get("calibrate") else "a mixed round")
         raise RuntimeError(f"{name} failed:\n{process.stderr[-3000:]}")
     return json.loads(process.stdout.strip().splitlines()[-1])
+
+
+def measure_in_cluster(spec: Spec, command: list[str]) -> dict:
+    """Runs `command` once per worker of a loopback cluster; returns the chief's measurement."""
+    from tfdp.launch import free_ports, tf_configs
+
+    workers = [
+        subprocess.Popen(
+            command,
+            env=dict(os.environ, TF_CONFIG=tf_config),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for tf_config in tf_configs(free_ports(spec.devices))
+    ]
+    outputs = [worker.communicate() for worker in workers]
+    for worker, (_, stderr) in zip(workers, outputs):
+        if worker.returncode != 0:
+            raise RuntimeError(f"{spec.name} failed:\n{stderr[-3000:]}")
+    return json.loads(outputs[0][0].strip().splitlines()[-1])
 
 
 def detect_kind() -> str:
@@ -269,7 +319,8 @@ def summarize(specs, measurements, batch_size, iterations) -> list[dict]:
         runs = measurements[spec.name]
         rates = [m["images_per_second"] for m in runs]
         accuracy = [m["accuracy_at_40"] for m in runs if m.get("accuracy_at_40") is not None]
-        keras_name = keras_at.get(spec.devices)
+        # Keras fit runs in one process; multiworker rows have no Keras counterpart here.
+        keras_name = keras_at.get(spec.devices) if spec.mode != "multiworker" else None
         rows.append(
             {
                 "configuration": spec.name,
@@ -431,7 +482,9 @@ def main(argv) -> None:
         return
     counts = [int(c) for c in FLAGS.device_counts]
     kind = detect_kind() if FLAGS.devices == "auto" else FLAGS.devices
-    specs = configurations(counts, [float(p) for p in FLAGS.uneven_powers])
+    specs = configurations(
+        counts, [float(p) for p in FLAGS.uneven_powers], [int(n) for n in FLAGS.workers]
+    )
     if FLAGS.only:
         specs = [s for s in specs if s.name in FLAGS.only or s.system == "matmul"]
     job = {

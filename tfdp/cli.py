@@ -20,6 +20,7 @@ from absl import app, flags, logging  # noqa: E402
 from tfdp.config import (  # noqa: E402
     ALL_REDUCES,
     AUTO,
+    COLLECTIVES,
     DATASETS,
     DEFAULT_ITERATIONS,
     INITS,
@@ -145,6 +146,20 @@ flags.DEFINE_string(
     "of tensorflow-datasets, never downloads. Default: $TFDP_MNIST_DIR.",
 )
 flags.DEFINE_string("result_json", None, "Write the run's result here as JSON.")
+flags.DEFINE_enum(
+    "collective",
+    _DEFAULTS.collective,
+    COLLECTIVES,
+    "multiworker: the all-reduce between workers (CommunicationOptions.implementation); "
+    "auto lets TensorFlow choose, ring works everywhere, nccl needs GPUs.",
+)
+flags.DEFINE_float(
+    "collective_timeout",
+    _DEFAULTS.collective_timeout,
+    "multiworker: seconds one all-reduce may wait for the other workers before the run stops "
+    "with an error (0: no limit). Dead or frozen workers are caught without it, by "
+    "TensorFlow's heartbeats; each all-reduce then holds a thread for this long.",
+)
 
 
 def _fail(message: str, status: int = 2) -> None:
@@ -198,6 +213,8 @@ def config_from_flags() -> Config:
         reduce=FLAGS.reduce,
         rebalance_every=FLAGS.rebalance_every,
         simulate_slowdown=FLAGS.simulate_slowdown,
+        collective=FLAGS.collective,
+        collective_timeout=FLAGS.collective_timeout,
         progress={"always": True, "never": False}.get(FLAGS.progress, sys.stderr.isatty()),
     )
 
@@ -230,6 +247,17 @@ def main(argv: list[str]) -> None:
         config = config_from_flags()
         check_writable("result_json", FLAGS.result_json)
         reserve_sleeping_threads(len(parse_slowdown(config.simulate_slowdown)))
+        if config.mode == "multiworker":
+            from tfdp.multiworker import read_cluster
+
+            read_cluster()  # a missing or malformed TF_CONFIG fails here, before TensorFlow starts
+        if config.mode == "multiworker" and FLAGS.logical_cpus:
+            raise ConfigError(
+                "logical_cpus",
+                FLAGS.logical_cpus,
+                "MultiWorkerMirroredStrategy runs one replica per worker on the CPU and does not "
+                "use logical CPUs; start more workers instead (tfdp-launch --workers=N)",
+            )
         configure_logical_devices(FLAGS.logical_cpus, FLAGS.logical_gpus)
         from tfdp import training  # imports TensorFlow: after the checks that need none
 
@@ -242,7 +270,13 @@ def main(argv: list[str]) -> None:
         _fail(f"{_flag_text(error.field, error.value)}: {error.reason}")
     except training.NonFiniteLoss as error:
         _fail(str(error), status=1)
-    if FLAGS.result_json:
+    except Exception as error:  # a worker of the cluster died or stopped responding
+        from tfdp import multiworker
+
+        if config.mode != "multiworker" or not multiworker.is_cluster_error(error):
+            raise
+        _fail(multiworker.describe_failure(error, config), status=1)
+    if FLAGS.result_json and result.get("chief", True):  # multiworker: the chief writes it
         write_json(FLAGS.result_json, result)
 
 

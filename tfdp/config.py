@@ -8,13 +8,14 @@ import math
 from tfdp.devices import parse_slowdown
 from tfdp.errors import ConfigError
 
-MODES = ("single", "mirrored", "weighted")
+MODES = ("single", "mirrored", "weighted", "multiworker")
 MODELS = ("lenet", "toy")
 DATASETS = ("mnist", "toy")
 INITS = ("tutorial", "keras")
 ALL_REDUCES = ("auto", "reduce_to_one", "nccl")
 MIRRORED_INPUTS = ("split", "dataset")
 REDUCES = ("device0", "allreduce")
+COLLECTIVES = ("auto", "ring", "nccl")
 # Each model reads one kind of input.
 DATASET_OF_MODEL = {"lenet": "mnist", "toy": "toy"}
 DEFAULT_ITERATIONS = 50  # the tutorial's run
@@ -25,7 +26,7 @@ AUTO = "auto"  # powers measured on the devices at start-up
 class Config:
     """One training run. Defaults reproduce the MXNet tutorial's LeNet run."""
 
-    mode: str = "single"  # single | mirrored | weighted
+    mode: str = "single"  # single | mirrored | weighted | multiworker
     model: str = "lenet"  # lenet | toy
     dataset: str | None = None  # None: the model's own (lenet: mnist, toy: toy)
     devices: str = ""  # comma list or 'all'; '': single -> first device, others -> all
@@ -58,6 +59,10 @@ class Config:
         0  # weighted: re-split the batch every K steps by measured times; 0: never
     )
     simulate_slowdown: str = ""  # testing only: 'cpu:1=4' makes cpu:1 4x slower (sleeps)
+    collective: str = (
+        "auto"  # multiworker: auto | ring | nccl (CommunicationOptions.implementation)
+    )
+    collective_timeout: float = 0.0  # multiworker: seconds an all-reduce may wait; 0: no limit
 
     def __post_init__(self):
         if self.dataset is None:
@@ -88,6 +93,7 @@ def validate(config: Config) -> None:
     _choice(config, "all_reduce", ALL_REDUCES)
     _choice(config, "mirrored_input", MIRRORED_INPUTS)
     _choice(config, "reduce", REDUCES)
+    _choice(config, "collective", COLLECTIVES)
     for field in (
         "batch_size",
         "log_every",
@@ -122,8 +128,13 @@ def validate(config: Config) -> None:
         raise ConfigError("rebalance_every", config.rebalance_every, "must be an integer")
     if config.rebalance_every < 0:
         raise ConfigError("rebalance_every", config.rebalance_every, "must be 0 (never) or more")
+    if config.powers and config.mode not in ("weighted", "multiworker"):
+        raise ConfigError(
+            "powers",
+            config.powers,
+            f"applies to modes weighted and multiworker only, not {config.mode}",
+        )
     for field, value, default in (
-        ("powers", config.powers, ()),
         ("reduce", config.reduce, "device0"),
         ("rebalance_every", config.rebalance_every, 0),
     ):
@@ -135,3 +146,15 @@ def validate(config: Config) -> None:
             raise ConfigError(
                 "powers", config.powers, f"every power must be a positive finite number, got {p!r}"
             )
+    timeout = config.collective_timeout
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not math.isfinite(timeout)
+        or timeout < 0
+    ):
+        raise ConfigError(
+            "collective_timeout",
+            timeout,
+            "must be a finite number of seconds, 0 (no limit) or more",
+        )

@@ -103,6 +103,19 @@ def check_balancing(config: Config, devices: list[str]) -> None:
         )
 
 
+def multiworker_devices(config: Config) -> list[str]:
+    """The workers of TF_CONFIG stand for the devices: one batch share each."""
+    from tfdp.multiworker import read_cluster
+
+    if config.devices:
+        raise ConfigError(
+            "devices",
+            config.devices,
+            "mode multiworker uses each worker's own devices (its GPUs, else one CPU replica)",
+        )
+    return list(read_cluster().workers)
+
+
 def load_split(config: Config, split: str) -> data_lib.Arrays:
     """One split of the data, with errors reported against the setting that chose the source."""
     if config.dataset == "toy":
@@ -129,10 +142,19 @@ def load_split(config: Config, split: str) -> data_lib.Arrays:
 def prepare(config: Config) -> Plan:
     """Validates the config against this machine and loads the data; writes nothing."""
     check_model_dir(config)
-    available = available_devices()
-    devices = parse_devices(config.devices or default_devices(config.mode, available), available)
+    if config.mode == "multiworker":
+        devices = multiworker_devices(config)
+    else:
+        available = available_devices()
+        devices = parse_devices(
+            config.devices or default_devices(config.mode, available), available
+        )
     shards = partition(config, devices)
     check_balancing(config, devices)
+    if config.mode == "multiworker":
+        from tfdp.multiworker import join_cluster
+
+        join_cluster(config)  # before any other TensorFlow op; waits for every worker
     train_data = load_split(config, "train")
     if config.batch_size > len(train_data):
         raise ConfigError(
@@ -162,6 +184,10 @@ def build_trainer(config: Config, devices: list[str], shards: list[int]):
     )
     weights = initial_weights(**model_args)
     make_model = functools.partial(build_model, **model_args)
+    if config.mode == "multiworker":
+        from tfdp import multiworker
+
+        return multiworker.build(config, shards, make_model, weights)
     slowdown = bool(config.simulate_slowdown)
     if config.mode == "mirrored":
         return MirroredTrainer(
@@ -249,13 +275,25 @@ def first_non_finite(pending) -> int | None:
     return None
 
 
+def unit(config: Config) -> str:
+    return "worker(s)" if config.mode == "multiworker" else "device(s)"
+
+
+def make_checkpointer(config: Config, trainer):
+    if config.mode == "multiworker":
+        from tfdp.multiworker import WorkerCheckpointer
+
+        return WorkerCheckpointer(config, trainer)
+    return Checkpointer(config, trainer)
+
+
 def banner(plan: Plan, start_step: int, shards: list[int]) -> str:
     """The batch arithmetic, printed once at start."""
     config, n = plan.config, len(plan.devices)
     split = " + ".join(str(s) for s in shards)
     epochs = plan.total_steps / plan.steps_per_epoch
     text = (
-        f"global batch {config.batch_size} = {split} over {n} device(s), mode {config.mode}; "
+        f"global batch {config.batch_size} = {split} over {n} {unit(config)}, mode {config.mode}; "
         f"{plan.steps_per_epoch} steps per epoch of {len(plan.train_data)} examples; "
         f"{plan.total_steps} iterations ({epochs:.2f} epochs) at learning rate {config.learning_rate}"
     )
@@ -281,9 +319,14 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
     config = plan.config
     batch = config.batch_size
     trainer = build_trainer(config, plan.devices, plan.shards)
-    checkpointer = Checkpointer(config, trainer) if config.model_dir else None
+    chief = getattr(trainer, "is_chief", True)  # multiworker: only the chief writes files
+    auto_powers = None
+    if config.mode == "multiworker" and config.powers == AUTO:
+        auto_powers = trainer.measure_powers()  # every worker gets the same partition
+        plan = dataclasses.replace(plan, shards=trainer.shards)
+    checkpointer = make_checkpointer(config, trainer) if config.model_dir else None
     start_step = checkpointer.restore() if checkpointer else 0  # before anything is written
-    summaries = Summaries(config.model_dir) if config.model_dir else None
+    summaries = Summaries(config.model_dir) if config.model_dir and chief else None
     iterator = trainer.distribute(
         data_lib.train_dataset(plan.train_data, batch, config.seed, start_step=start_step)
     )
@@ -294,9 +337,19 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
             progress.clear()
         log(line)
 
-    split_info = set_up_split(plan, trainer, say)
+    if config.mode == "multiworker":  # the workers measured themselves (multiworker.py)
+        split_info = {"simulated_slowdown": None, "auto_powers": auto_powers}
+        if auto_powers:
+            rates = ", ".join(
+                f"{w} {r:.0f}"
+                for w, r in zip(auto_powers["devices"], auto_powers["images_per_second"])
+            )
+            say(f"auto powers: measured images/sec {rates}; powers {auto_powers['powers']}")
+        rebalancing = None
+    else:
+        split_info = set_up_split(plan, trainer, say)
+        rebalancing = balance.Rebalancing(trainer, config.rebalance_every, say)
     shards = list(trainer.shards)
-    rebalancing = balance.Rebalancing(trainer, config.rebalance_every, say)
     say(f"workload partition: {[(short_name(d), n) for d, n in zip(plan.devices, shards)]}")
     say(banner(plan, start_step, shards))
 
@@ -354,7 +407,7 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
                             },
                         },
                     )
-        if iteration > start_step:  # the first step's times include first-run costs
+        if rebalancing and iteration > start_step:  # the first step has first-run costs
             rebalancing.observe(iteration, metrics["device_seconds"])
         if progress:
             progress.update(done, metrics, force=done == plan.total_steps)
@@ -378,7 +431,7 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
     )
     say(
         f"time for {steps_run} iterations of {config.model} on "
-        f"{len(plan.devices)} device(s), mode {config.mode}: {seconds:f} sec "
+        f"{len(plan.devices)} {unit(config)}, mode {config.mode}: {seconds:f} sec "
         f"(first step {first_step_seconds:.2f} sec with tracing; then "
         f"{images_per_second:.0f} images/sec)"
     )
@@ -393,8 +446,8 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
         "powers": config.powers if config.powers == AUTO else list(config.powers) or None,
         "reduce": config.reduce if config.mode == "weighted" else None,
         **split_info,
-        "rebalances": rebalancing.resplits,
-        "device_seconds": rebalancing.seconds(),
+        "rebalances": rebalancing.resplits if rebalancing else [],
+        "device_seconds": rebalancing.seconds() if rebalancing else None,
         "batch_size": batch,
         "iterations": plan.total_steps,
         "start_iteration": start_step,
@@ -413,12 +466,16 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
         "model_dir": config.model_dir,
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
     }
-    if config.model_dir:
+    if config.mode == "multiworker":
+        result.update(trainer.worker_info())  # this worker: name, chief, examples per step
+    if config.model_dir and chief:
         summaries.close()
         export_model(config, trainer.get_weights(), os.path.join(config.model_dir, "model.keras"))
         write_atomically(
             os.path.join(config.model_dir, "result.json"), json.dumps(result, indent=2) + "\n"
         )
+    if config.mode == "multiworker":
+        trainer.gather(0)  # a barrier: the workers leave together, after the chief's writes
     return result
 
 

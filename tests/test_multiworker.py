@@ -1,0 +1,306 @@
+"""Mode multiworker on loopback: tfdp-launch, and worker processes started by hand.
+
+Every run is the toy model, so that the time goes to starting the workers.
+Each subprocess has a timeout: a hang fails the test instead of CI.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import own_stderr_lines, tfdp
+from test_resume import latest_step, result
+
+from tfdp import split_batch
+from tfdp.launch import free_ports, tf_configs
+
+TOY = ["--model=toy", "--batch_size=256", "--progress=never"]
+
+
+def environment(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("TFDP_MNIST_DIR", "TF_CONFIG")}
+    return dict(env, TF_CPP_MIN_LOG_LEVEL="2", **extra)
+
+
+def launch(*args, workers=2, env=None, timeout=240):
+    """Runs `tfdp-launch` to its end."""
+    return subprocess.run(
+        [sys.executable, "-m", "tfdp.launch", f"--workers={workers}", *args],
+        capture_output=True,
+        text=True,
+        env=env or environment(),
+        timeout=timeout,
+    )
+
+
+def exported_weights(*model_dirs):
+    """Each model_dir's model.keras weights, read by Keras alone in one fresh process."""
+    code = (
+        "import sys, numpy, keras\n"
+        "for d in sys.argv[1:]:\n"
+        "    m = keras.models.load_model(d + '/model.keras')\n"
+        "    numpy.savez(d + '.weights.npz', *m.get_weights())\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, *map(str, model_dirs)],
+        check=True,
+        capture_output=True,
+        env=environment(),
+        timeout=120,
+    )
+    weights = []
+    for model_dir in model_dirs:
+        with np.load(f"{model_dir}.weights.npz") as arrays:  # beside it: model_dir stays as is
+            weights.append([arrays[f"arr_{i}"] for i in range(len(arrays.files))])
+    return weights
+
+
+def worker_lines(output, worker):
+    prefix = f"[worker {worker}] "
+    return [line[len(prefix) :] for line in output.splitlines() if line.startswith(prefix)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Three runs of the same 3 steps: single, 2 workers with powers auto, and with 1,3."""
+    root = tmp_path_factory.mktemp("runs")
+    steps = [*TOY, "--iterations=3", "--log_every=1"]
+    single = tfdp(*steps, f"--model_dir={root / 'single'}")
+    assert single.returncode == 0, single.stderr
+    scratch = root / "tmp"
+    scratch.mkdir()
+    auto = launch(*steps, "--powers=auto", f"--model_dir={root / 'auto'}")
+    assert auto.returncode == 0, auto.stderr
+    uneven = launch(
+        *steps,
+        "--powers=1,3",
+        f"--model_dir={root / 'uneven'}",
+        f"--result_json={root / 'uneven.json'}",
+        env=environment(TMPDIR=str(scratch)),
+    )
+    assert uneven.returncode == 0, uneven.stderr
+    return {"root": root, "single": single, "auto": auto, "uneven": uneven}
+
+
+@pytest.mark.parametrize("name", ["auto", "uneven"])
+def test_two_workers_make_the_update_of_single(runs, name):
+    root = runs["root"]
+    weights, single = exported_weights(root / name, root / "single")
+    for got, expected in zip(weights, single, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+    single_log = [line for line in runs["single"].stdout.splitlines() if "accuracy" in line]
+    for worker in (0, 1):
+        log = [line for line in worker_lines(runs[name].stdout, worker) if "accuracy" in line]
+        assert [line.split(", loss")[0] for line in log] == [
+            line.split(", loss")[0] for line in single_log
+        ]
+    for got, expected in zip(
+        result(str(root / name))["log"], result(str(root / "single"))["log"], strict=True
+    ):
+        assert got == pytest.approx(expected, rel=1e-5)
+
+
+def test_powers_give_each_worker_its_share(runs):
+    output = runs["uneven"].stdout
+    for worker in (0, 1):
+        lines = worker_lines(output, worker)
+        assert lines[0] == "workload partition: [('worker:0', 64), ('worker:1', 192)]"
+        assert lines[1].startswith("global batch 256 = 64 + 192 over 2 worker(s), mode multiworker")
+    saved = json.loads((runs["root"] / "uneven.json").read_text())
+    assert saved["shards"] == [64, 192] and saved["powers"] == [1.0, 3.0]
+    assert saved["devices"] == ["worker:0", "worker:1"]
+    assert (saved["worker"], saved["chief"], saved["worker_batch"]) == ("worker:0", True, 64)
+
+
+def test_auto_powers_are_measured_and_agreed(runs):
+    saved = result(str(runs["root"] / "auto"))
+    measured = saved["auto_powers"]
+    assert measured["devices"] == saved["devices"] == ["worker:0", "worker:1"]
+    assert all(rate > 0 for rate in measured["images_per_second"])
+    assert max(measured["powers"]) == 1.0
+    assert saved["shards"] == split_batch(256, measured["powers"])
+    assert saved["worker_batch"] == saved["shards"][0]
+    rates = ", ".join(
+        f"{w} {r:.0f}" for w, r in zip(measured["devices"], measured["images_per_second"])
+    )
+    for worker in (0, 1):  # every worker measured the same figures and split the same way
+        lines = worker_lines(runs["auto"].stdout, worker)
+        assert lines[0] == f"auto powers: measured images/sec {rates}; powers {measured['powers']}"
+        assert lines[1] == f"workload partition: [('worker:0', {saved['shards'][0]}), " + (
+            f"('worker:1', {saved['shards'][1]})]"
+        )
+
+
+def test_only_the_chief_writes(runs):
+    model_dir = runs["root"] / "uneven"
+    assert sorted(os.listdir(model_dir)) == [
+        "checkpoints",
+        "eval",
+        "model.keras",
+        "result.json",
+        "run.json",
+        "train",
+    ]
+    assert sorted(os.listdir(model_dir / "checkpoints")) == [
+        "checkpoint",
+        "ckpt-3.data-00000-of-00001",
+        "ckpt-3.index",
+    ]
+    # One summary writer (two would leave two event files), and the chief's result.
+    assert len(os.listdir(model_dir / "train")) == len(os.listdir(model_dir / "eval")) == 1
+    assert result(str(model_dir))["worker"] == "worker:0"
+    # Worker 1 saved its checkpoints in the temporary directory and removed them.
+    assert os.listdir(runs["root"] / "tmp") == []
+
+
+def test_a_killed_worker_stops_the_other_and_a_restart_resumes(tmp_path):
+    args = [*TOY, "--iterations=600", "--checkpoint_every=50", "--log_every=100"]
+    straight = str(tmp_path / "straight")
+    finished = launch(*args, f"--model_dir={straight}")
+    assert finished.returncode == 0, finished.stderr
+
+    model_dir = str(tmp_path / "killed")
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tfdp", "--mode=multiworker", *args, f"--model_dir={model_dir}"],
+            env=environment(TF_CONFIG=tf_config),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for tf_config in tf_configs(free_ports(2))
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while (latest_step(model_dir) or 0) < 150:
+            assert all(w.poll() is None for w in workers), workers[0].communicate()
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.05)
+        workers[1].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, stderr = workers[0].communicate(timeout=120)
+        seconds = time.monotonic() - killed_at
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+
+    assert workers[0].returncode == 1 and seconds < 120
+    stopped_at = latest_step(model_dir)
+    assert 150 <= stopped_at < 600
+    last = [line for line in stderr.splitlines() if line.startswith("tfdp: ")][-1]
+    assert last.startswith("tfdp: error: worker:0 lost the cluster, a worker died"), stderr
+    assert last.endswith(
+        f"restart every worker with the same flags to resume from "
+        f"{model_dir}/checkpoints/ckpt-{stopped_at}"
+    )
+    assert "Traceback" not in stderr
+    assert not os.path.exists(os.path.join(model_dir, "model.keras"))
+
+    resumed = launch(*args, f"--model_dir={model_dir}")
+    assert resumed.returncode == 0, resumed.stderr
+    for worker in (0, 1):
+        assert f"resuming at iteration {stopped_at} from" in worker_lines(resumed.stdout, worker)[1]
+    assert result(model_dir)["start_iteration"] == stopped_at
+    assert result(model_dir)["iterations"] == latest_step(model_dir) == 600
+    resumed_weights, straight_weights = exported_weights(model_dir, straight)
+    for got, expected in zip(resumed_weights, straight_weights, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+
+
+EXAMPLE = {"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}}
+BAD_TF_CONFIGS = [
+    (None, "is not set; mode multiworker reads the cluster"),
+    ("{not json", "is not valid JSON"),
+    (json.dumps({"task": {"type": "worker", "index": 0}}), 'needs "cluster"'),
+    (json.dumps({**EXAMPLE, "task": {"type": "worker", "index": 2}}), "task worker:2 is not in"),
+    (json.dumps({**EXAMPLE, "task": {"type": "ps", "index": 0}}), '"task" must name a type'),
+    (
+        json.dumps({"cluster": {"worker": ["127.0.0.1"]}, "task": {"type": "worker", "index": 0}}),
+        "host:port addresses",
+    ),
+]
+
+
+@pytest.mark.parametrize("tf_config, reason", BAD_TF_CONFIGS)
+def test_bad_tf_config_fails_early(tf_config, reason, tmp_path):
+    env = environment(**({} if tf_config is None else {"TF_CONFIG": tf_config}))
+    process = subprocess.run(
+        [sys.executable, "-m", "tfdp", "--mode=multiworker", "--model=toy"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert process.returncode == 2
+    [line] = own_stderr_lines(process)
+    assert line.startswith(f"tfdp: error: TF_CONFIG={tf_config or ''}: ")
+    assert reason in line
+    assert process.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+TF_CONFIG = json.dumps({**EXAMPLE, "task": {"type": "worker", "index": 0}})
+BAD_FLAGS = [
+    (["--logical_cpus=2"], "--logical_cpus=2: MultiWorkerMirroredStrategy runs one replica"),
+    (["--devices=cpu:0"], "--devices=cpu:0: mode multiworker uses each worker's own devices"),
+    (["--powers=1,2,3"], "--powers=1,2,3: has 3 values for 2 devices (worker:0, worker:1)"),
+    (["--collective=mpi"], "--collective"),
+    (["--collective_timeout=-1"], "--collective_timeout=-1"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_FLAGS)
+def test_bad_multiworker_flags(args, message, tmp_path):
+    process = subprocess.run(
+        [sys.executable, "-m", "tfdp", "--mode=multiworker", "--model=toy", *args],
+        capture_output=True,
+        text=True,
+        env=environment(TF_CONFIG=TF_CONFIG),
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert process.returncode == 2
+    [line] = own_stderr_lines(process)
+    assert line.startswith("tfdp: error: ") and message in line
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--workers=0"], "--workers=0: must be a positive integer"),
+        (["--workers=two"], "--workers=two: must be a positive integer"),
+        (["--workers=2", "--mode=single"], "--mode=single: tfdp-launch runs mode multiworker"),
+        (["--workers=2", "extra"], "extra: unexpected argument"),
+        (["--grace_seconds=-1"], "--grace_seconds=-1: must be"),
+    ],
+)
+def test_bad_launch_flags(args, message):
+    process = subprocess.run(
+        [sys.executable, "-m", "tfdp.launch", *args],
+        capture_output=True,
+        text=True,
+        env=environment(),
+        timeout=60,
+    )
+    assert process.returncode == 2
+    [line] = process.stderr.splitlines()
+    assert line.startswith(f"tfdp-launch: error: {message}")
+    assert process.stdout == ""
+
+
+def test_launch_fails_when_a_worker_fails(tmp_path):
+    # Every worker refuses the batch size, after TensorFlow has started: status 2 comes back.
+    process = launch("--model=toy", "--batch_size=20000", timeout=120)
+    assert process.returncode == 2
+    for worker in (0, 1):
+        assert any(
+            line.startswith("tfdp: error: --batch_size=20000: is larger than the 10000")
+            for line in worker_lines(process.stderr, worker)
+        )
+    assert "tfdp-launch: worker " in process.stderr

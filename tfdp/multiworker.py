@@ -1,0 +1,387 @@
+"""Multi-worker training: one process per worker of the cluster in TF_CONFIG.
+
+Every worker runs `tf.distribute.MultiWorkerMirroredStrategy`: one replica
+on its CPU (MultiWorkerMirroredStrategy does not use logical CPUs), or one
+per local GPU. Per step:
+  1. the global batch is split over the workers by `--powers` (or equally);
+     each worker reads the same stream of global batches and keeps its own
+     slice, fed through `distribute_datasets_from_function`;
+  2. each replica runs forward and backward on its shard, with the loss
+     divided by the global batch;
+  3. the optimizer sums the gradients with a collective all-reduce over all
+     workers and applies one SGD update on every worker.
+So the update is the one `single` makes on the whole batch.
+
+Only the chief (task `chief`, else `worker:0`) writes the model directory.
+A worker that dies makes the others stop with an error: a closed connection
+fails the next all-reduce at once, and TensorFlow's coordination service
+aborts the collectives of every worker when one stops sending heartbeats
+(about 10 s). `collective_timeout` (off by default) also bounds each
+all-reduce, for a worker that is alive but never joins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+from tfdp.checkpoints import Checkpointer
+from tfdp.devices import split_batch
+from tfdp.errors import ConfigError
+
+TF_CONFIG = "TF_CONFIG"
+TF_CONFIG_EXAMPLE = (
+    '{"cluster": {"worker": ["host0:2222", "host1:2222"]}, "task": {"type": "worker", "index": 0}}'
+)
+JOBS = ("chief", "worker")  # in input-pipeline order: the chief, if any, is worker 0
+_ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]]+):\d{1,5}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """The cluster of TF_CONFIG, and which of its workers this process is.
+
+    Attributes:
+        workers: task names in input-pipeline order, e.g. ("worker:0", "worker:1").
+        addresses: host:port of each worker, in the same order.
+        task: this process's task name.
+    """
+
+    workers: tuple[str, ...]
+    addresses: tuple[str, ...]
+    task: str
+
+    @property
+    def index(self) -> int:
+        """This worker's position in `workers`: its input pipeline and batch share."""
+        return self.workers.index(self.task)
+
+    @property
+    def is_chief(self) -> bool:
+        return self.index == 0
+
+
+def read_cluster(text: str | None = None) -> Cluster:
+    """Parses and checks TF_CONFIG (default: the environment's); raises ConfigError."""
+    text = os.environ.get(TF_CONFIG, "") if text is None else text
+    if not text.strip():
+        raise ConfigError(
+            TF_CONFIG,
+            text,
+            "is not set; mode multiworker reads the cluster and this worker's task from it, "
+            f"e.g. TF_CONFIG='{TF_CONFIG_EXAMPLE}' (tfdp-launch sets it for local workers)",
+        )
+
+    def bad(reason):
+        return ConfigError(TF_CONFIG, text, reason)
+
+    try:
+        spec = json.loads(text)
+    except ValueError as error:
+        raise bad(f"is not valid JSON ({error})") from None
+    if not isinstance(spec, dict):
+        raise bad('must be a JSON object with "cluster" and "task"')
+    cluster, task = spec.get("cluster"), spec.get("task")
+    if not isinstance(cluster, dict) or not cluster.get("worker") and not cluster.get("chief"):
+        raise bad('needs "cluster" with a "worker" list of host:port addresses')
+    others = sorted(set(cluster) - set(JOBS))
+    if others:
+        raise bad(f"has jobs {', '.join(others)}; mode multiworker runs chief and worker tasks")
+    for job, addresses in cluster.items():
+        if not isinstance(addresses, list) or not all(
+            isinstance(a, str) and _ADDRESS.match(a) for a in addresses
+        ):
+            raise bad(f'job "{job}" must be a list of host:port addresses')
+    if len(cluster.get("chief", [])) > 1:
+        raise bad(f"has {len(cluster['chief'])} chiefs; a cluster has at most one")
+    workers = [f"{job}:{i}" for job in JOBS for i in range(len(cluster.get(job, [])))]
+    addresses = [a for job in JOBS for a in cluster.get(job, [])]
+    repeated = sorted({a for a in addresses if addresses.count(a) > 1})
+    if repeated:
+        raise bad(f"gives {', '.join(repeated)} to more than one task")
+    if not isinstance(task, dict):
+        raise bad('needs "task": {"type": "worker", "index": i}, this process\'s place')
+    kind, index = task.get("type"), task.get("index")
+    if kind not in JOBS or isinstance(index, bool) or not isinstance(index, int):
+        raise bad(f'"task" must name a type among {", ".join(JOBS)} and an integer index')
+    if f"{kind}:{index}" not in workers:
+        raise bad(f"task {kind}:{index} is not in the cluster ({', '.join(workers)})")
+    return Cluster(tuple(workers), tuple(addresses), f"{kind}:{index}")
+
+
+_strategy = None
+
+
+def join_cluster(config):
+    """This process's MultiWorkerMirroredStrategy, made once per process.
+
+    It must come before any other TensorFlow op: it starts this worker's
+    server and waits until every worker of TF_CONFIG has started.
+    """
+    global _strategy
+    if _strategy is None:
+        import tensorflow as tf
+
+        implementation = getattr(
+            tf.distribute.experimental.CommunicationImplementation, config.collective.upper()
+        )
+        options = tf.distribute.experimental.CommunicationOptions(
+            implementation=implementation, timeout_seconds=config.collective_timeout or None
+        )
+        _strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    return _strategy
+
+
+class MultiWorkerTrainer:
+    """This worker's part of synchronous training over the whole cluster."""
+
+    def __init__(self, strategy, cluster, make_model, weights, shards, learning_rate):
+        """
+        Args:
+          strategy: from `join_cluster`.
+          cluster: from `read_cluster`.
+          make_model: builds the model (called in the strategy's scope).
+          weights: initial weights, the same on every worker.
+          shards: examples per worker; they sum to the global batch.
+          learning_rate: plain SGD step size.
+        """
+        import keras
+        import tensorflow as tf
+
+        self.tf = tf
+        self.strategy = strategy
+        self.workers = list(cluster.workers)
+        self.index = cluster.index
+        self.is_chief = cluster.is_chief
+        self.shards = list(shards)
+        self.global_batch_size = sum(shards)
+        self.local_replicas = len(strategy.extended.worker_devices)
+        self.make_model = make_model
+        self.worker_batch = None  # examples per step this worker's input yields, once distributed
+        with strategy.scope():
+            self.model = make_model()
+            self.model.set_weights(weights)
+            self.optimizer = keras.optimizers.SGD(learning_rate)
+            self.optimizer.build(self.model.trainable_variables)
+        self._train_step = tf.function(self._step)
+        self._count = tf.function(self._correct, reduce_retracing=True)
+        self._sum = tf.function(lambda values: strategy.reduce("SUM", values, axis=None))
+
+    def distribute(self, dataset):
+        """The iterator `train_step` reads: this worker's slice of every global batch."""
+        shards, replicas = self.shards, self.local_replicas
+
+        def worker_dataset(context):
+            worker = context.input_pipeline_id
+            begin, size = sum(shards[:worker]), shards[worker]
+            own = dataset.map(lambda x, y: (x[begin : begin + size], y[begin : begin + size]))
+            self.worker_batch = own.element_spec[0].shape[0]  # what this worker's input yields
+            return own if replicas == 1 else _per_replica(own, size, replicas)
+
+        return iter(self.strategy.distribute_datasets_from_function(worker_dataset))
+
+    def train_step(self, iterator):
+        """One SGD step on the next global batch; returns metrics summed over the cluster."""
+        return self._train_step(iterator)
+
+    def _step(self, iterator):
+        x, y = next(iterator)
+        per_replica = self.strategy.run(self._replica_step, args=(x, y))
+        return {
+            key: self.strategy.reduce("SUM", value, axis=None) for key, value in per_replica.items()
+        }
+
+    def _replica_step(self, x, y):
+        from tfdp.steps import replica_gradients
+
+        gradients, metrics = replica_gradients(self.model, x, y, self.global_batch_size)
+        # Inside a replica, the optimizer all-reduces (sums) the gradients over all workers.
+        self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
+        return metrics
+
+    def gather(self, value: float) -> list[float]:
+        """Every worker's `value`, in worker order, on every worker: one all-reduce.
+
+        Each worker contributes a vector that is zero except at its own index.
+        """
+        one_hot = np.zeros(len(self.workers))
+        one_hot[self.index] = value
+
+        def contribution(context):
+            first_local = context.replica_id_in_sync_group % self.local_replicas == 0
+            return self.tf.constant(one_hot if first_local else 0 * one_hot, self.tf.float64)
+
+        values = self.strategy.experimental_distribute_values_from_function(contribution)
+        return self._sum(values).numpy().tolist()
+
+    def evaluate(self, arrays) -> float:
+        """Accuracy on `arrays`: each worker counts its share of them, the counts are summed."""
+        from tfdp.data import Arrays, eval_batches
+
+        sizes = split_batch(len(arrays), self.shards)
+        begin = sum(sizes[: self.index])
+        own = Arrays(
+            arrays.images[begin : begin + sizes[self.index]],
+            arrays.labels[begin : begin + sizes[self.index]],
+        )
+        correct = sum(
+            float(self._count(x, y)) for x, y in eval_batches(own, self.global_batch_size)
+        )
+        return sum(self.gather(correct)) / len(arrays)
+
+    def _correct(self, x, y):
+        from tfdp.steps import replica_correct
+
+        return replica_correct(self.model, x, y)
+
+    def measure_powers(self, min_seconds: float = 0.5, min_steps: int = 5) -> dict:
+        """`--powers=auto`: each worker's examples/second; re-splits the global batch by them.
+
+        Every worker times forward and backward (no all-reduce) on a probe shard
+        of global_batch / workers examples, after tracing and a warm-up step,
+        on a local model copy. The rates are exchanged with `gather`, so every
+        worker computes the same partition.
+        """
+        from tfdp.steps import replica_gradients
+
+        tf = self.tf
+        probe = max(1, self.global_batch_size // len(self.workers))
+        model = self.make_model()
+        x = tf.random.stateless_uniform((probe, *model.input_shape[1:]), seed=[0, self.index])
+        y = tf.zeros([probe], tf.int32)
+        step = tf.function(lambda: replica_gradients(model, x, y, self.global_batch_size)[0][-1])
+        for _ in range(2):  # tracing, then a warm step
+            step().numpy()
+        steps, start = 0, time.perf_counter()
+        while steps < min_steps or time.perf_counter() - start < min_seconds:
+            step().numpy()
+            steps += 1
+        rate = probe * steps / (time.perf_counter() - start)
+        rates = self.gather(rate)
+        powers = [round(r / max(rates), 4) for r in rates]
+        self.shards = split_batch(self.global_batch_size, powers)
+        return {"devices": self.workers, "images_per_second": rates, "powers": powers}
+
+    def worker_info(self) -> dict:
+        """This worker's entries in the result."""
+        return {
+            "worker": self.workers[self.index],
+            "chief": self.is_chief,
+            "worker_batch": self.worker_batch,
+        }
+
+    def sync_copies(self):
+        """Nothing to do: the all-reduce keeps every worker's variables equal."""
+
+    def set_weights(self, weights) -> None:
+        with self.strategy.scope():
+            self.model.set_weights(weights)
+
+    def get_weights(self) -> list[np.ndarray]:
+        return self.model.get_weights()
+
+
+def _per_replica(dataset, size, replicas):
+    """Each element cut into `replicas` near-equal consecutive pieces, one per local device."""
+    import tensorflow as tf
+
+    bounds = tf.constant(np.cumsum([0, *split_batch(size, (1.0,) * replicas)]), tf.int64)
+
+    def pieces(x, y):
+        return tf.data.Dataset.range(replicas).map(
+            lambda j: (x[bounds[j] : bounds[j + 1]], y[bounds[j] : bounds[j + 1]])
+        )
+
+    return dataset.flat_map(pieces)
+
+
+class WorkerCheckpointer(Checkpointer):
+    """Checkpoints in a cluster: all workers save, only the chief keeps its files.
+
+    Saving may take part in collectives, so every worker saves; the others
+    write to a fresh temporary directory and delete it at once, as
+    TensorFlow's multi-worker guide recommends. Every worker restores from
+    the chief's directory, so all of them must be able to read `model_dir`.
+    """
+
+    def restore(self) -> int:
+        step = super().restore()
+        steps = [int(s) for s in self.trainer.gather(step)]
+        if len(set(steps)) > 1:
+            raise ConfigError(
+                "model_dir",
+                self.config.model_dir,
+                f"the workers found different checkpoints to resume from (steps {steps}); "
+                "every worker must read the chief's model_dir (one path on a shared filesystem)",
+            )
+        return step
+
+    def save(self, step: int) -> str:
+        if self.trainer.is_chief:
+            return super().save(step)
+        import tensorflow as tf
+
+        self.step.assign(step)
+        scratch = tempfile.mkdtemp(prefix=f"tfdp-{self.trainer.workers[self.trainer.index]}-")
+        try:
+            return tf.train.CheckpointManager(self.checkpoint, scratch, 1).save(step)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def build(config, shards, make_model, weights) -> MultiWorkerTrainer:
+    """The trainer of `training.build_trainer` for mode multiworker."""
+    return MultiWorkerTrainer(
+        join_cluster(config), read_cluster(), make_model, weights, shards, config.learning_rate
+    )
+
+
+def is_cluster_error(error: BaseException) -> bool:
+    """Whether `error` is TensorFlow's way of saying that a peer is gone or stuck."""
+    import tensorflow as tf
+
+    return isinstance(
+        error,
+        (
+            tf.errors.UnavailableError,
+            tf.errors.DeadlineExceededError,
+            tf.errors.AbortedError,
+            tf.errors.CancelledError,
+            tf.errors.FailedPreconditionError,
+        ),
+    )
+
+
+def describe_failure(error: BaseException, config) -> str:
+    """One line for a worker that lost the cluster: what TensorFlow saw, and how to resume."""
+    import tensorflow as tf
+
+    message = getattr(error, "message", str(error))
+    cause = message.split("aborted by:", 1)[-1]  # collectives name the cause after this
+    lines = []
+    for line in (line.strip() for line in cause.splitlines()):
+        if line.startswith(("Additional GRPC", "The error could be", "The tasks have", "[[")):
+            break  # TensorFlow's boilerplate after the cause
+        if line and not line.startswith(("Graph execution error", "Detected at node", "File ")):
+            lines.append(line)
+    reason = " ".join(lines) or (message.strip().splitlines() or [""])[0]
+    reason = reason if len(reason) <= 240 else reason[:237] + "..."
+    text = (
+        f"{read_cluster().task} lost the cluster, a worker died or stopped responding "
+        f"({type(error).__name__}: {reason})"
+    )
+    latest = (
+        tf.train.latest_checkpoint(os.path.join(config.model_dir, "checkpoints"))
+        if config.model_dir
+        else None
+    )
+    if latest:
+        return f"{text}; restart every worker with the same flags to resume from {latest}"
+    return f"{text}; no checkpoint was saved"
