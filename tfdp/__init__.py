@@ -9,9 +9,13 @@ The modules that import TensorFlow load on first use, so `import tfdp` is quick.
 
 import importlib
 
-from tfdp.config import Config
-from tfdp.devices import configure_logical_devices, split_batch
-from tfdp.errors import ConfigError
+from tfdp import onednn
+
+onednn.enable_by_default()  # before anything imports TensorFlow
+
+from tfdp.config import Config  # noqa: E402
+from tfdp.devices import configure_logical_devices, split_batch  # noqa: E402
+from tfdp.errors import ConfigError  # noqa: E402
 
 _LAZY = {
     "train": "tfdp.training",

@@ -15,7 +15,7 @@ import os
 import time
 from typing import Callable
 
-from tfdp import balance
+from tfdp import balance, onednn
 from tfdp import data as data_lib
 from tfdp.checkpoints import Checkpointer, check_model_dir, export_model, write_atomically
 from tfdp.config import AUTO, DEFAULT_ITERATIONS, Config
@@ -465,6 +465,7 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
         "images_per_second": images_per_second,
         "model_dir": config.model_dir,
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
+        "onednn": onednn.enabled(),
     }
     if config.mode == "multiworker":
         result.update(trainer.worker_info())  # this worker: name, chief, examples per step

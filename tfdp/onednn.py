@@ -1,0 +1,47 @@
+"""oneDNN's CPU kernels: on by default in tfdp, on every x86-64 CPU.
+
+TensorFlow turns its oneDNN kernels on by default only on x86 CPUs with
+AVX-512-class features; elsewhere, AVX2 machines such as AMD EPYCs among them,
+it leaves them off unless `TF_ENABLE_ONEDNN_OPTS=1` is set. With them, LeNet
+trains about 1.8x faster on such a CPU (BUILD_NOTES, "oneDNN").
+
+TensorFlow reads the variable once, when its runtime loads, so tfdp sets it
+when tfdp is imported, before TensorFlow is:
+  - a value the user set (`TF_ENABLE_ONEDNN_OPTS=0` turns the kernels off) is
+    left as it is;
+  - `TFDP_ONEDNN=tensorflow` keeps TensorFlow's own default (tfdp-bench's
+    Keras baseline runs that way: what a TensorFlow user gets out of the box);
+  - if TensorFlow was imported before tfdp, nothing can change any more.
+Every run records whether the kernels were on (`onednn` in result.json).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+VARIABLE = "TF_ENABLE_ONEDNN_OPTS"
+KEEP_TENSORFLOW_DEFAULT = ("TFDP_ONEDNN", "tensorflow")
+
+
+def enable_by_default() -> None:
+    """Sets TF_ENABLE_ONEDNN_OPTS=1 on x86-64, unless the user chose otherwise."""
+    name, value = KEEP_TENSORFLOW_DEFAULT
+    if (
+        VARIABLE in os.environ
+        or os.environ.get(name) == value
+        or "tensorflow" in sys.modules
+        or platform.machine().lower() not in ("x86_64", "amd64")
+    ):
+        return
+    os.environ[VARIABLE] = "1"
+
+
+def enabled() -> bool | None:
+    """Whether this process's TensorFlow runs its oneDNN kernels (None: unknown)."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+    except ImportError:  # a TensorFlow build without this query
+        return None
+    return bool(_pywrap_util_port.IsMklEnabled())
