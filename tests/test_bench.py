@@ -8,6 +8,26 @@ from tfdp.bench import FORWARD_FLOPS, LENET_FORWARD_MACS, TRAIN_FLOPS, configura
 from tfdp.models import build_model
 
 
+def x86_64():
+    import platform
+
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def tensorflow_default_onednn():
+    """Whether a process that leaves TF_ENABLE_ONEDNN_OPTS unset runs oneDNN's kernels."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TF_ENABLE_ONEDNN_OPTS"}
+    probe = "from tensorflow.python.util import _pywrap_util_port as p; print(p.IsMklEnabled())"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+    )
+    return out.stdout.strip().splitlines()[-1] == "True"
+
+
 def test_flop_count_follows_the_model():
     macs = 0
     model = build_model("lenet")
@@ -25,11 +45,12 @@ def test_flop_count_follows_the_model():
 
 
 def test_configurations_cover_the_table():
-    names = [spec.name for spec in configurations([1, 2, 4], [1.0, 3.0])]
-    assert names == [
+    specs = configurations([1, 2, 4], [1.0, 3.0], keras_onednn=[1])
+    assert [spec.name for spec in specs] == [
         "matmul peak",
         "tfdp single",
         "keras fit",
+        "keras fit, oneDNN",
         "tfdp mirrored x2",
         "tfdp weighted x2",
         "keras fit mirrored x2",
@@ -38,6 +59,12 @@ def test_configurations_cover_the_table():
         "keras fit mirrored x4",
         "tfdp weighted 1:3",
     ]
+    # The Keras baseline runs as TensorFlow comes; its oneDNN twin and tfdp run as tfdp does.
+    assert {s.name for s in specs if s.onednn == "tensorflow"} == {
+        "keras fit",
+        "keras fit mirrored x2",
+        "keras fit mirrored x4",
+    }
 
 
 def test_bench_smoke(tmp_path):
@@ -70,6 +97,7 @@ def test_bench_smoke(tmp_path):
     assert [r["configuration"] for r in rows] == [
         "tfdp single",
         "keras fit",
+        "keras fit, oneDNN",
         "tfdp mirrored x2",
         "tfdp weighted x2",
         "keras fit mirrored x2",
@@ -83,6 +111,14 @@ def test_bench_smoke(tmp_path):
     assert [r["shards"] for r in measured if r["name"] == "tfdp weighted 1:3"] == [[8, 24]]
     assert "| tfdp weighted 1:3 | 2 |" in process.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Each measurement says whether oneDNN was on, and how much time the machine lost.
+    onednn = {r["name"]: r["onednn"] for r in measured}
+    assert onednn["keras fit"] == tensorflow_default_onednn()
+    if x86_64():
+        assert onednn["tfdp single"] is onednn["keras fit, oneDNN"] is True
+    for record in measured:
+        if record["name"] != "matmul peak":
+            assert 0 <= record["steal_fraction"] <= 1 and record["cpu_seconds"] > 0
 
 
 def test_mixed_suite_smoke(tmp_path):

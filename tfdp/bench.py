@@ -27,6 +27,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
+from tfdp import onednn  # noqa: E402
+from tfdp.observe import CpuAccounting  # noqa: E402
+
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("rounds", 3, "Interleaved rounds; the table reports medians over them.")
 flags.DEFINE_integer("iterations", 50, "Timed iterations per measurement (the tutorial's 50).")
@@ -38,6 +41,12 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_list("uneven_powers", ["1", "3"], "Powers of the uneven weighted configuration.")
 flags.DEFINE_list("only", [], "Measure only these configurations (names as in the table).")
+flags.DEFINE_list(
+    "keras_onednn",
+    ["1"],
+    "Device counts at which Keras fit also runs with oneDNN's CPU kernels on, as tfdp does "
+    "(the plain keras rows keep TensorFlow's own default).",
+)
 flags.DEFINE_list(
     "workers",
     [],
@@ -85,22 +94,24 @@ class Spec:
     mode: str  # single | mirrored | weighted | multiworker | fit
     devices: int  # multiworker: workers
     powers: tuple[float, ...] = ()
+    # oneDNN's CPU kernels (onednn.py): "tfdp" on, as tfdp runs; "tensorflow", TF's own default.
+    onednn: str = "tfdp"
 
 
-def configurations(counts, uneven_powers, worker_counts=()) -> list[Spec]:
+def configurations(counts, uneven_powers, worker_counts=(), keras_onednn=()) -> list[Spec]:
     specs = [Spec("matmul peak", "matmul", "matmul", 1)]
     for n in counts:
+        keras_name = "keras fit" if n == 1 else f"keras fit mirrored x{n}"
         if n == 1:
+            specs.append(Spec("tfdp single", "tfdp", "single", 1))
+        else:
             specs += [
-                Spec("tfdp single", "tfdp", "single", 1),
-                Spec("keras fit", "keras", "fit", 1),
+                Spec(f"tfdp mirrored x{n}", "tfdp", "mirrored", n),
+                Spec(f"tfdp weighted x{n}", "tfdp", "weighted", n, (1.0,) * n),
             ]
-            continue
-        specs += [
-            Spec(f"tfdp mirrored x{n}", "tfdp", "mirrored", n),
-            Spec(f"tfdp weighted x{n}", "tfdp", "weighted", n, (1.0,) * n),
-            Spec(f"keras fit mirrored x{n}", "keras", "fit", n),
-        ]
+        specs.append(Spec(keras_name, "keras", "fit", n, onednn="tensorflow"))
+        if n in keras_onednn:
+            specs.append(Spec(f"{keras_name}, oneDNN", "keras", "fit", n))
     if 2 in counts and uneven_powers:
         label = ":".join(f"{p:g}" for p in uneven_powers)
         specs.append(Spec(f"tfdp weighted {label}", "tfdp", "weighted", 2, tuple(uneven_powers)))
@@ -192,11 +203,17 @@ def time_tutorial_run(trainer, config, arrays, job: dict) -> dict:
 
     tutorial_run(job["warmup"])
     trainer.set_weights(initial)
+    accounting = CpuAccounting()
     start = time.perf_counter()
     log = tutorial_run(job["iterations"])
     seconds = time.perf_counter() - start
     accuracy = {i: float(c) / config.batch_size for i, c in log.items()}
-    return {"seconds": seconds, "shards": shards, "accuracy_at_40": accuracy.get(40)}
+    return {
+        "seconds": seconds,
+        "shards": shards,
+        "accuracy_at_40": accuracy.get(40),
+        **accounting.stop(),
+    }
 
 
 def measure_keras(spec: Spec, job: dict) -> dict:
@@ -234,12 +251,13 @@ def measure_keras(spec: Spec, job: dict) -> dict:
 
     fit(job["warmup"])
     model.set_weights(initial)
+    accounting = CpuAccounting()
     start = time.perf_counter()
     fit(job["iterations"], [RunningAccuracy()])
     seconds = time.perf_counter() - start
     # Keras logs a running mean over the epoch; batch 40's own accuracy follows from two of them.
     accuracy_40 = 41 * running[40] - 40 * running[39] if len(running) == 2 else None
-    return {"seconds": seconds, "accuracy_at_40": accuracy_40}
+    return {"seconds": seconds, "accuracy_at_40": accuracy_40, **accounting.stop()}
 
 
 def run_worker(job: dict) -> dict:
@@ -251,13 +269,14 @@ def run_worker(job: dict) -> dict:
         return {"results": bench_mixed.measure_round(job)}
     spec = Spec(**{**job["spec"], "powers": tuple(job["spec"]["powers"])})
     if spec.system == "matmul":
-        return measure_matmul()
+        return {**measure_matmul(), "onednn": onednn.enabled()}
     if spec.mode == "multiworker":
         measure = measure_multiworker
     else:
         measure = measure_tfdp if spec.system == "tfdp" else measure_keras
     result = measure(spec, job)
     result["images_per_second"] = job["iterations"] * job["batch_size"] / result["seconds"]
+    result["onednn"] = onednn.enabled()
     return result
 
 
@@ -269,7 +288,10 @@ def measure_in_subprocess(spec, job: dict) -> dict:
     command = [sys.executable, "-m", "tfdp.bench", f"--worker={json.dumps(job)}"]
     if spec is not None and spec.mode == "multiworker":
         return measure_in_cluster(spec, command)
-    process = subprocess.run(command, capture_output=True, text=True)
+    env = None
+    if spec is not None and spec.onednn == "tensorflow":
+        env = onednn.tensorflow_default_env(os.environ)
+    process = subprocess.run(command, capture_output=True, text=True, env=env)
     if process.returncode != 0:
         name = spec.name if spec else ("calibration" if job.get("calibrate") else "a mixed round")
         raise RuntimeError(f"{name} failed:\n{process.stderr[-3000:]}")
@@ -311,7 +333,10 @@ def summarize(specs, measurements, batch_size, iterations) -> list[dict]:
         for name, runs in measurements.items()
         if name != "matmul peak"
     }
-    keras_at = {s.devices: s.name for s in specs if s.system == "keras"}
+    keras_at = {s.devices: s.name for s in specs if s.system == "keras" and s.onednn != "tfdp"}
+    keras_onednn_at = {
+        s.devices: s.name for s in specs if s.system == "keras" and s.onednn == "tfdp"
+    }
     rows = []
     for spec in specs:
         if spec.system == "matmul":
@@ -321,6 +346,10 @@ def summarize(specs, measurements, batch_size, iterations) -> list[dict]:
         accuracy = [m["accuracy_at_40"] for m in runs if m.get("accuracy_at_40") is not None]
         # Keras fit runs in one process; multiworker rows have no Keras counterpart here.
         keras_name = keras_at.get(spec.devices) if spec.mode != "multiworker" else None
+        keras_onednn_name = (
+            keras_onednn_at.get(spec.devices) if spec.mode != "multiworker" else None
+        )
+        steal = [m["steal_fraction"] for m in runs if "steal_fraction" in m]
         rows.append(
             {
                 "configuration": spec.name,
@@ -339,6 +368,11 @@ def summarize(specs, measurements, batch_size, iterations) -> list[dict]:
                 "vs_keras_same_devices": median[spec.name] / median[keras_name]
                 if keras_name in median
                 else None,
+                "vs_keras_onednn_same_devices": median[spec.name] / median[keras_onednn_name]
+                if keras_onednn_name in median
+                else None,
+                "onednn": [m.get("onednn") for m in runs],
+                "steal_fraction_max": max(steal) if steal else None,
                 "fraction_of_peak": median[spec.name] * TRAIN_FLOPS / peak,
                 "accuracy_at_40": statistics.median(accuracy) if accuracy else None,
                 "peak_flops_per_second": peak,
@@ -354,16 +388,18 @@ def format_table(rows, iterations) -> str:
 
     header = (
         f"| configuration | devices | images/s (min-max) | s / {iterations} it | vs tfdp single "
-        "| vs keras, same devices | of peak | accuracy at it 40 |"
+        "| vs keras, same devices | vs keras + oneDNN | of peak | accuracy at it 40 "
+        "| most time stolen |"
     )
-    lines = [header, "|" + " --- |" * 8]
+    lines = [header, "|" + " --- |" * 10]
     for r in rows:
         lines.append(
             f"| {r['configuration']} | {r['devices']} | {r['images_per_second']:.0f} "
             f"({r['images_per_second_min']:.0f}-{r['images_per_second_max']:.0f}) "
             f"| {r['seconds']:.2f} | {num(r['vs_tfdp_single'], '.2f')} "
-            f"| {num(r['vs_keras_same_devices'], '.2f')} | {r['fraction_of_peak']:.2f} "
-            f"| {num(r['accuracy_at_40'], '.4f')} |"
+            f"| {num(r['vs_keras_same_devices'], '.2f')} "
+            f"| {num(r['vs_keras_onednn_same_devices'], '.2f')} | {r['fraction_of_peak']:.2f} "
+            f"| {num(r['accuracy_at_40'], '.4f')} | {num(r['steal_fraction_max'], '.0%')} |"
         )
     return "\n".join(lines)
 
@@ -483,7 +519,10 @@ def main(argv) -> None:
     counts = [int(c) for c in FLAGS.device_counts]
     kind = detect_kind() if FLAGS.devices == "auto" else FLAGS.devices
     specs = configurations(
-        counts, [float(p) for p in FLAGS.uneven_powers], [int(n) for n in FLAGS.workers]
+        counts,
+        [float(p) for p in FLAGS.uneven_powers],
+        [int(n) for n in FLAGS.workers],
+        [int(n) for n in FLAGS.keras_onednn],
     )
     if FLAGS.only:
         specs = [s for s in specs if s.name in FLAGS.only or s.system == "matmul"]

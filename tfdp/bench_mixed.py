@@ -145,6 +145,7 @@ def _powers(value):
 def measure(spec: MixedSpec, config, trainer, arrays, job: dict) -> dict:
     """From the initial weights and the spec's starting split: warm up, then time."""
     from tfdp.balance import Rebalancing, measure_powers, whole_shares
+    from tfdp.observe import CpuAccounting
     from tfdp.data import first_examples, train_dataset
     from tfdp.devices import split_batch
     from tfdp.models import initial_weights
@@ -173,10 +174,12 @@ def measure(spec: MixedSpec, config, trainer, arrays, job: dict) -> dict:
     trainer.set_weights(initial_weights(config.model, config.init, config.seed))
     trainer.set_shards(start_shards)
     rebalancing = Rebalancing(trainer, spec.rebalance_every, log=lambda line: None)
+    accounting = CpuAccounting()
     start = time.perf_counter()
     run(job["iterations"], rebalancing)
     seconds = time.perf_counter() - start
     return {
+        **accounting.stop(),
         "seconds": seconds,
         "images_per_second": job["iterations"] * batch / seconds,
         "start_shards": start_shards,

@@ -22,7 +22,18 @@ import platform
 import sys
 
 VARIABLE = "TF_ENABLE_ONEDNN_OPTS"
-KEEP_TENSORFLOW_DEFAULT = ("TFDP_ONEDNN", "tensorflow")
+MARK = "TFDP_ONEDNN"  # "on": tfdp set VARIABLE (child processes inherit both)
+KEEP_TENSORFLOW_DEFAULT = (MARK, "tensorflow")
+# The user's own value, if any: not one that a parent tfdp process set.
+USER_VALUE = None if os.environ.get(MARK) == "on" else os.environ.get(VARIABLE)
+
+
+def tensorflow_default_env(environ) -> dict:
+    """`environ` for a child process that should run with TensorFlow's own default."""
+    env = {**environ, MARK: "tensorflow"}
+    if USER_VALUE is None:
+        env.pop(VARIABLE, None)
+    return env
 
 
 def enable_by_default() -> None:
@@ -36,6 +47,7 @@ def enable_by_default() -> None:
     ):
         return
     os.environ[VARIABLE] = "1"
+    os.environ[MARK] = "on"
 
 
 def enabled() -> bool | None:
