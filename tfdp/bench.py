@@ -184,24 +184,6 @@ def measure_multiworker(spec: Spec, job: dict) -> dict:
     return time_tutorial_run(build_trainer(config, workers, shards), config, arrays, job)
 
 
-class MachineProbe:
-    """The machine's matmul rate, read in the measuring process just before and
-    just after the timed run.
-
-    This machine sometimes gives a process half its speed for a while (other
-    work, or one core left idle), and a bare matmul slows down with it. The
-    lower of the two readings says what the machine offered during the run;
-    the summary sets apart runs where it fell well below the bench's best.
-    """
-
-    def __init__(self):
-        self.before = measure_matmul(repeats=3)["flops_per_second"]
-
-    def stop(self) -> dict:
-        after = measure_matmul(repeats=3)["flops_per_second"]
-        return {"probe_flops_per_second": min(self.before, after)}
-
-
 def time_tutorial_run(trainer, config, arrays, job: dict) -> dict:
     """Warms up, resets the weights and the input, then times the tutorial's run."""
     from tfdp.data import train_dataset
@@ -221,7 +203,6 @@ def time_tutorial_run(trainer, config, arrays, job: dict) -> dict:
 
     tutorial_run(job["warmup"])
     trainer.set_weights(initial)
-    probe = MachineProbe()
     accounting = CpuAccounting()
     start = time.perf_counter()
     log = tutorial_run(job["iterations"])
@@ -232,7 +213,6 @@ def time_tutorial_run(trainer, config, arrays, job: dict) -> dict:
         "shards": shards,
         "accuracy_at_40": accuracy.get(40),
         **accounting.stop(),
-        **probe.stop(),
     }
 
 
@@ -271,19 +251,13 @@ def measure_keras(spec: Spec, job: dict) -> dict:
 
     fit(job["warmup"])
     model.set_weights(initial)
-    probe = MachineProbe()
     accounting = CpuAccounting()
     start = time.perf_counter()
     fit(job["iterations"], [RunningAccuracy()])
     seconds = time.perf_counter() - start
     # Keras logs a running mean over the epoch; batch 40's own accuracy follows from two of them.
     accuracy_40 = 41 * running[40] - 40 * running[39] if len(running) == 2 else None
-    return {
-        "seconds": seconds,
-        "accuracy_at_40": accuracy_40,
-        **accounting.stop(),
-        **probe.stop(),
-    }
+    return {"seconds": seconds, "accuracy_at_40": accuracy_40, **accounting.stop()}
 
 
 def run_worker(job: dict) -> dict:
@@ -351,41 +325,12 @@ def detect_kind() -> str:
     return "gpu" if tf.config.list_physical_devices("GPU") else "cpu"
 
 
-FULL_SPEED = 0.75  # a run counts as full-speed if its matmul probe read >= this x the best
-
-
-def full_speed_runs(measurements) -> dict:
-    """Each configuration's runs during which the machine gave its full speed.
-
-    That is, the runs whose matmul probe (MachineProbe) read at least
-    FULL_SPEED times the best matmul rate of the whole bench. A configuration
-    with no such run keeps all of its runs.
-    """
-    readings = [
-        m.get("probe_flops_per_second", m.get("flops_per_second"))
-        for runs in measurements.values()
-        for m in runs
-    ]
-    best = max((r for r in readings if r), default=None)
-
-    def full(m):
-        reading = m.get("probe_flops_per_second", m.get("flops_per_second"))
-        return best is None or reading is None or reading >= FULL_SPEED * best
-
-    kept = {}
-    for name, runs in measurements.items():
-        kept[name] = [m for m in runs if full(m)] or list(runs)
-    return kept
-
-
 def summarize(specs, measurements, batch_size, iterations) -> list[dict]:
-    """One row per configuration: medians over the full-speed rounds (and over
-    all rounds), and ratios of the full-speed medians."""
-    full = full_speed_runs(measurements)
-    peak = statistics.median(m["flops_per_second"] for m in full["matmul peak"])
+    """One row per configuration: medians over the rounds, and ratios of medians."""
+    peak = statistics.median(m["flops_per_second"] for m in measurements["matmul peak"])
     median = {
         name: statistics.median(m["images_per_second"] for m in runs)
-        for name, runs in full.items()
+        for name, runs in measurements.items()
         if name != "matmul peak"
     }
     keras_at = {s.devices: s.name for s in specs if s.system == "keras" and s.onednn != "tfdp"}
@@ -405,7 +350,6 @@ def summarize(specs, measurements, batch_size, iterations) -> list[dict]:
             keras_onednn_at.get(spec.devices) if spec.mode != "multiworker" else None
         )
         steal = [m["steal_fraction"] for m in runs if "steal_fraction" in m]
-        kept = full[spec.name]
         rows.append(
             {
                 "configuration": spec.name,
@@ -414,11 +358,9 @@ def summarize(specs, measurements, batch_size, iterations) -> list[dict]:
                 "devices": spec.devices,
                 "powers": list(spec.powers) or None,
                 "images_per_second": median[spec.name],
-                "full_speed_rounds": len(kept),
-                "images_per_second_all_rounds": statistics.median(rates),
                 "images_per_second_min": min(rates),
                 "images_per_second_max": max(rates),
-                "seconds": statistics.median(m["seconds"] for m in kept),
+                "seconds": statistics.median(m["seconds"] for m in runs),
                 "iterations": iterations,
                 "vs_tfdp_single": median[spec.name] / median["tfdp single"]
                 if "tfdp single" in median
@@ -445,17 +387,14 @@ def format_table(rows, iterations) -> str:
         return "-" if value is None else format(value, fmt)
 
     header = (
-        "| configuration | devices | images/s, full-speed rounds | all rounds: median (min-max) "
-        f"| s / {iterations} it | vs tfdp single "
+        f"| configuration | devices | images/s (min-max) | s / {iterations} it | vs tfdp single "
         "| vs keras, same devices | vs keras + oneDNN | of peak | accuracy at it 40 "
         "| most time stolen |"
     )
-    lines = [header, "|" + " --- |" * 11]
+    lines = [header, "|" + " --- |" * 10]
     for r in rows:
         lines.append(
             f"| {r['configuration']} | {r['devices']} | {r['images_per_second']:.0f} "
-            f"({r['full_speed_rounds']} of {r['rounds']}) "
-            f"| {r['images_per_second_all_rounds']:.0f} "
             f"({r['images_per_second_min']:.0f}-{r['images_per_second_max']:.0f}) "
             f"| {r['seconds']:.2f} | {num(r['vs_tfdp_single'], '.2f')} "
             f"| {num(r['vs_keras_same_devices'], '.2f')} "

@@ -88,13 +88,11 @@ class Summaries:
 
 
 class CpuAccounting:
-    """Where the machine's CPU time went over an interval: to this process, to
-    other work, and to other guests of the hypervisor.
+    """This process's CPU seconds and the machine's stolen time over an interval.
 
-    A measurement taken while other work ran, or while the hypervisor took
-    time away ("stolen", Linux /proc/stat), is slow for reasons outside the
-    code being measured; these figures tell such a measurement apart.
-    Empty where /proc is not there.
+    Stolen time is what the hypervisor gave to other guests while this machine
+    wanted to run (Linux /proc/stat); it explains a slow measurement that
+    the code does not. Empty where /proc is not there.
     """
 
     def __init__(self):
@@ -104,30 +102,22 @@ class CpuAccounting:
     def _read():
         try:
             with open("/proc/stat") as f:
-                fields = [int(v) for v in f.readline().split()[1:9]]
+                fields = [int(v) for v in f.readline().split()[1:]]
         except OSError:
             return None
         times = os.times()
-        return fields, times.user + times.system, time.perf_counter()
+        return fields, times.user + times.system
 
     def stop(self) -> dict:
         end = self._read()
         if self.start is None or end is None:
             return {}
-        (before, cpu_before, t_before), (after, cpu_after, t_after) = self.start, end
-        user, nice, system, idle, iowait, irq, softirq, steal = (
-            b - a for a, b in zip(before, after + [0] * (8 - len(after)))
-        )
+        (before, cpu_before), (after, cpu_after) = self.start, end
+        ticks = [b - a for a, b in zip(before, after)]
         tick = os.sysconf("SC_CLK_TCK")
-        seconds = max(t_after - t_before, 1e-9)
-        cpu_seconds = cpu_after - cpu_before
-        busy_seconds = (user + nice + system + irq + softirq) / tick
+        steal = ticks[7] if len(ticks) > 7 else 0
         return {
-            "cpu_seconds": cpu_seconds,
-            "cores_used": cpu_seconds / seconds,
-            "other_cores_used": max(busy_seconds - cpu_seconds, 0.0) / seconds,
-            "idle_cores": (idle + iowait) / tick / seconds,
+            "cpu_seconds": cpu_after - cpu_before,
             "steal_seconds": steal / tick,
-            "steal_fraction": steal
-            / max(user + nice + system + idle + iowait + irq + softirq + steal, 1),
+            "steal_fraction": steal / max(sum(ticks[:8]), 1),
         }
