@@ -1,0 +1,110 @@
+"""`python -m tfdp.bench_steps`: variants of one single-device training step, timed.
+
+The table in BUILD_NOTES ("The other things tried") comes from this: LeNet,
+batch 1024, one variant per process, warm-up first, then `--iterations` timed
+steps. Run the variants interleaved, one process each:
+
+  for round in 1 2; do for v in bare clocks loop10 inter_op1 fit; do
+    python -m tfdp.bench_steps --variant=$v --mnist_dir=../shared/data/mnist
+  done; done
+
+Set TF_ENABLE_ONEDNN_OPTS=0 (or TFDP_ONEDNN=tensorflow) to time them without
+oneDNN's kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # noqa: E402
+
+from tfdp import onednn  # noqa: E402
+
+VARIANTS = {
+    "bare": "tf.function step: forward, backward, SGD",
+    "clocks": "the same, with tfdp's in-step device clocks (steps.timed_replica_gradients)",
+    "loop10": "10 steps per tf.function call, in a tf.range loop",
+    "inter_op1": "the bare step with inter_op_parallelism_threads=1",
+    "xla": "the bare step with jit_compile=True",
+    "fit": "Keras model.fit on the same model, data and batch",
+}
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("variant", "bare", list(VARIANTS), "Which step to time.")
+flags.DEFINE_integer("iterations", 50, "Timed steps.")
+flags.DEFINE_integer("warmup", 5, "Untimed steps first.")
+flags.DEFINE_string("mnist_dir", None, "MNIST IDX files (default: $TFDP_MNIST_DIR, else tfds).")
+
+
+def main(argv) -> None:
+    import keras
+    import tensorflow as tf
+
+    from tfdp.data import load_mnist, train_dataset
+    from tfdp.models import build_model, initial_weights
+    from tfdp.steps import replica_gradients, timed_replica_gradients
+
+    variant, batch = FLAGS.variant, 1024
+    if variant == "inter_op1":
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    arrays = load_mnist("train", mnist_dir=FLAGS.mnist_dir or os.environ.get("TFDP_MNIST_DIR"))
+    dataset = train_dataset(arrays, batch, 0)
+    model = build_model("lenet")
+    model.set_weights(initial_weights("lenet"))
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(model.trainable_variables)
+
+    def step(iterator):
+        x, y = next(iterator)
+        if variant == "clocks":
+            gradients, metrics, _ = timed_replica_gradients(model, x, y, batch)
+        else:
+            gradients, metrics = replica_gradients(model, x, y, batch)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return metrics
+
+    steps_per_call = 10 if variant == "loop10" else 1
+
+    def steps(iterator):
+        metrics = step(iterator)
+        for _ in tf.range(steps_per_call - 1):
+            metrics = step(iterator)
+        return metrics
+
+    if variant == "fit":
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        model.fit(dataset, steps_per_epoch=FLAGS.warmup, epochs=1, verbose=0)
+        start = time.perf_counter()
+        model.fit(dataset, steps_per_epoch=FLAGS.iterations, epochs=1, verbose=0)
+        seconds = time.perf_counter() - start
+    else:
+        call = tf.function(steps, jit_compile=True if variant == "xla" else None)
+        iterator = iter(dataset)
+        for _ in range(max(1, FLAGS.warmup // steps_per_call)):
+            metrics = call(iterator)
+        float(metrics["loss_sum"])
+        calls = max(1, FLAGS.iterations // steps_per_call)
+        start = time.perf_counter()
+        for _ in range(calls):
+            metrics = call(iterator)
+        float(metrics["loss_sum"])
+        seconds = time.perf_counter() - start
+        FLAGS.iterations = calls * steps_per_call
+    result = {
+        "variant": variant,
+        "what": VARIANTS[variant],
+        "onednn": onednn.enabled(),
+        "images_per_second": FLAGS.iterations * batch / seconds,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    app.run(main)
