@@ -327,3 +327,13 @@ def test_eval_batches_cover_every_example_once():
     assert x.dtype == np.float32 and y.dtype == np.int32
     np.testing.assert_array_equal(y, np.arange(11))
     np.testing.assert_allclose(x, images / 255.0, rtol=1e-6)
+
+
+def test_pipelines_run_without_autotune():
+    # Autotuning's model thread can hold up an iterator's deletion until its next
+    # re-tuning interval ends (data._without_autotune); tfdp's pipelines turn it off,
+    # and datasets built on top of them inherit that.
+    toy = data.make_toy_data(0, num_examples=50)
+    train = data.train_dataset(toy, batch_size=8, seed=1)
+    for dataset in (train, data.eval_batches(toy, 8), train.map(lambda x, y: (x, y))):
+        assert dataset.options().autotune.enabled is False
