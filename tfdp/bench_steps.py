@@ -10,10 +10,18 @@ steps. Run the variants interleaved, one process each:
 
 Set TF_ENABLE_ONEDNN_OPTS=0 (or TFDP_ONEDNN=tensorflow) to time them without
 oneDNN's kernels.
+
+`--profile_dir=DIR` traces the timed steps with TensorFlow's profiler (the trace
+is in DIR, for TensorBoard's profile plugin) and adds the milliseconds per step
+of each kernel, summed over the trace, to the result (`kernel_ms_per_step`).
+Kernels that run at the same time on different threads each count in full.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import glob
 import json
 import os
 import time
@@ -38,6 +46,8 @@ flags.DEFINE_enum("variant", "bare", list(VARIANTS), "Which step to time.")
 flags.DEFINE_integer("iterations", 50, "Timed steps.")
 flags.DEFINE_integer("warmup", 5, "Untimed steps first.")
 flags.DEFINE_string("mnist_dir", None, "MNIST IDX files (default: $TFDP_MNIST_DIR, else tfds).")
+flags.DEFINE_string("profile_dir", None, "Trace the timed steps here and report time per kernel.")
+flags.DEFINE_integer("top_kernels", 12, "With --profile_dir: how many kernels to report.")
 
 
 def main(argv) -> None:
@@ -81,9 +91,10 @@ def main(argv) -> None:
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
         model.fit(dataset, steps_per_epoch=FLAGS.warmup, epochs=1, verbose=0)
-        start = time.perf_counter()
-        model.fit(dataset, steps_per_epoch=FLAGS.iterations, epochs=1, verbose=0)
-        seconds = time.perf_counter() - start
+        with profiled(FLAGS.profile_dir):
+            start = time.perf_counter()
+            model.fit(dataset, steps_per_epoch=FLAGS.iterations, epochs=1, verbose=0)
+            seconds = time.perf_counter() - start
     else:
         call = tf.function(steps, jit_compile=True if variant == "xla" else None)
         iterator = iter(dataset)
@@ -91,11 +102,12 @@ def main(argv) -> None:
             metrics = call(iterator)
         float(metrics["loss_sum"])
         calls = max(1, FLAGS.iterations // steps_per_call)
-        start = time.perf_counter()
-        for _ in range(calls):
-            metrics = call(iterator)
-        float(metrics["loss_sum"])
-        seconds = time.perf_counter() - start
+        with profiled(FLAGS.profile_dir):
+            start = time.perf_counter()
+            for _ in range(calls):
+                metrics = call(iterator)
+            float(metrics["loss_sum"])
+            seconds = time.perf_counter() - start
         FLAGS.iterations = calls * steps_per_call
     result = {
         "variant": variant,
@@ -103,7 +115,47 @@ def main(argv) -> None:
         "onednn": onednn.enabled(),
         "images_per_second": FLAGS.iterations * batch / seconds,
     }
+    if FLAGS.profile_dir:
+        totals = kernel_seconds(FLAGS.profile_dir)
+        top = sorted(totals.items(), key=lambda item: -item[1])[: FLAGS.top_kernels]
+        result["kernel_ms_per_step"] = {k: round(1000 * s / FLAGS.iterations, 2) for k, s in top}
     print(json.dumps(result))
+
+
+@contextlib.contextmanager
+def profiled(logdir):
+    """TensorFlow's profiler around the block, when `logdir` is given."""
+    import tensorflow as tf
+
+    if logdir:
+        tf.profiler.experimental.start(logdir)
+    try:
+        yield
+    finally:
+        if logdir:
+            tf.profiler.experimental.stop()
+
+
+def kernel_seconds(logdir) -> dict[str, float]:
+    """Seconds per kernel type in the newest trace under `logdir`, summed over threads.
+
+    The executor's events are named "node:KernelType"; events of TensorFlow's own
+    machinery ("ExecutorState::Process", ...) are left out.
+    """
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+    space = xplane_pb2.XSpace()
+    with open(max(paths, key=os.path.getmtime), "rb") as f:
+        space.ParseFromString(f.read())
+    totals = collections.Counter()
+    for plane in space.planes:
+        for line in plane.lines:
+            for event in line.events:
+                name = plane.event_metadata[event.metadata_id].name
+                if ":" in name and "::" not in name:
+                    totals[name.rsplit(":", 1)[1]] += event.duration_ps / 1e12
+    return dict(totals)
 
 
 if __name__ == "__main__":
