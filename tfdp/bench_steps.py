@@ -140,7 +140,7 @@ def kernel_seconds(logdir) -> dict[str, float]:
     """Seconds per kernel type in the newest trace under `logdir`, summed over threads.
 
     The executor's events are named "node:KernelType"; events of TensorFlow's own
-    machinery ("ExecutorState::Process", ...) are left out.
+    machinery ("ExecutorState::Process", ...) and whole function calls are left out.
     """
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
@@ -153,8 +153,10 @@ def kernel_seconds(logdir) -> dict[str, float]:
         for line in plane.lines:
             for event in line.events:
                 name = plane.event_metadata[event.metadata_id].name
-                if ":" in name and "::" not in name:
-                    totals[name.rsplit(":", 1)[1]] += event.duration_ps / 1e12
+                kernel = name.rsplit(":", 1)[-1]
+                if ":" in name and "::" not in name and kernel.isidentifier():
+                    if not kernel.startswith("__inference"):  # a whole tf.function call
+                        totals[kernel] += event.duration_ps / 1e12
     return dict(totals)
 
 

@@ -238,20 +238,19 @@ def first_examples(arrays, count):
 
 
 # Batches made ahead of the step that reads them. The pipeline (a gather and a scale) makes
-# one batch in about a millisecond, so two are plenty; see _without_autotune for why the depth
-# is fixed rather than tf.data.AUTOTUNE.
+# one batch in about 2 ms, so two are plenty; see _without_autotune for why the depth is
+# fixed rather than tf.data.AUTOTUNE.
 PREFETCH_BATCHES = 2
 
 
 def _without_autotune():
     """tf.data options with autotuning off, for every tfdp pipeline.
 
-    With autotuning on, each iterator runs a model thread that re-tunes the pipeline at
-    intervals that double (10 ms, 20 ms, ... up to a minute). Deleting the iterator can wait
-    for that thread's current interval to run out: in TensorFlow 2.21 the end of a 6-second
-    training run was seen to wait until 10.23 s (`RootDataset::Iterator::~Iterator` blocked
-    in `UnboundedThreadPool`), which halved the measured throughput of whole runs and made
-    each evaluation pay the same. This pipeline has nothing to tune.
+    With autotuning on, deleting an iterator was seen to block until a tf.data background
+    thread woke up, at points 10 ms x (2^k - 1) after the iterator was made: a 6-second
+    training run ended at 10.23 s (TensorFlow 2.21; BUILD_NOTES, "tf.data autotuning: off").
+    tfdp deletes an iterator at the end of every run and after every evaluation, and this
+    pipeline has nothing to tune.
     """
     options = tf.data.Options()
     options.autotune.enabled = False
