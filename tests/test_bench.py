@@ -119,6 +119,9 @@ def test_bench_smoke(tmp_path):
     for record in measured:
         if record["name"] != "matmul peak":
             assert 0 <= record["steal_fraction"] <= 1 and record["cpu_seconds"] > 0
+            # The steps end before the run does (its iterator is deleted after them).
+            assert 0 < record["steps_seconds"] <= record["seconds"]
+            assert record["images_per_second_steps"] >= record["images_per_second"]
 
 
 def test_mixed_suite_smoke(tmp_path):

@@ -199,17 +199,18 @@ def time_tutorial_run(trainer, config, arrays, job: dict) -> dict:
             if i % 10 == 0:
                 log[i] = metrics["correct"]  # read after the clock stops
         float(metrics["loss_sum"])  # wait for the last step
-        return log
+        return log, time.perf_counter()  # the steps are done; the iterator is not yet deleted
 
     tutorial_run(job["warmup"])
     trainer.set_weights(initial)
     accounting = CpuAccounting()
     start = time.perf_counter()
-    log = tutorial_run(job["iterations"])
+    log, steps_done = tutorial_run(job["iterations"])
     seconds = time.perf_counter() - start
     accuracy = {i: float(c) / config.batch_size for i, c in log.items()}
     return {
         "seconds": seconds,
+        **steps_only(steps_done - start, job),
         "shards": shards,
         "accuracy_at_40": accuracy.get(40),
         **accounting.stop(),
@@ -240,6 +241,7 @@ def measure_keras(spec: Spec, job: dict) -> dict:
 
     class RunningAccuracy(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
+            running["last step done"] = time.perf_counter()
             if batch in (39, 40):
                 running[batch] = logs["accuracy"]
 
@@ -256,8 +258,26 @@ def measure_keras(spec: Spec, job: dict) -> dict:
     fit(job["iterations"], [RunningAccuracy()])
     seconds = time.perf_counter() - start
     # Keras logs a running mean over the epoch; batch 40's own accuracy follows from two of them.
-    accuracy_40 = 41 * running[40] - 40 * running[39] if len(running) == 2 else None
-    return {"seconds": seconds, "accuracy_at_40": accuracy_40, **accounting.stop()}
+    accuracy_40 = 41 * running[40] - 40 * running[39] if 40 in running else None
+    return {
+        "seconds": seconds,
+        **steps_only(running["last step done"] - start, job),
+        "accuracy_at_40": accuracy_40,
+        **accounting.stop(),
+    }
+
+
+def steps_only(seconds: float, job: dict) -> dict:
+    """The run's time until its last step was done, before anything is torn down.
+
+    `seconds` (the run's whole time) also covers deleting its input iterator,
+    which tf.distribute's iterators can hold up (BUILD_NOTES, "tf.data
+    autotuning: off"); this tells the two apart.
+    """
+    return {
+        "steps_seconds": seconds,
+        "images_per_second_steps": job["iterations"] * job["batch_size"] / seconds,
+    }
 
 
 def run_worker(job: dict) -> dict:
@@ -361,6 +381,9 @@ def summarize(specs, measurements, batch_size, iterations) -> list[dict]:
                 "images_per_second_min": min(rates),
                 "images_per_second_max": max(rates),
                 "seconds": statistics.median(m["seconds"] for m in runs),
+                "images_per_second_steps": statistics.median(
+                    m["images_per_second_steps"] for m in runs
+                ),
                 "iterations": iterations,
                 "vs_tfdp_single": median[spec.name] / median["tfdp single"]
                 if "tfdp single" in median
