@@ -4,6 +4,7 @@ import pytest
 
 from tfdp.balance import (
     Rebalancer,
+    Rebalancing,
     SimulatedDevice,
     imbalance,
     powers_from_seconds,
@@ -57,6 +58,30 @@ def test_rebalancing_from_an_even_split_converges_without_oscillating(speeds):
         shares = [run.shards[step][device] for step in range(200)]
         moves = [b - a for a, b in zip(shares, shares[1:]) if b != a]
         assert all(m > 0 for m in moves) or all(m < 0 for m in moves)
+
+
+def test_a_far_off_start_is_corrected_after_one_step():
+    run = simulate(devices([1, 4]), BATCH, steps=50, rebalance_every=5)
+    assert run.resplits[0] == 0
+    assert all(finishing_spread(run, step) <= 0.10 for step in range(1, 50))
+
+
+class StubTrainer:
+    global_batch_size = BATCH
+
+    def __init__(self):
+        self.shards = [512, 512]
+
+    def set_shards(self, shards):
+        self.shards = list(shards)
+
+
+def test_windows_grow_from_one_step_to_every():
+    trainer = StubTrainer()
+    rebalancing = Rebalancing(trainer, every=5, log=lambda line: None)
+    for iteration in range(21):
+        rebalancing.observe(iteration, [1.0, 4.0])  # always imbalanced: every window re-splits
+    assert [r["iteration"] for r in rebalancing.resplits] == [0, 2, 6, 11, 16]
 
 
 def test_rebalancing_beats_the_even_split_by_the_expected_margin():

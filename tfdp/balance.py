@@ -6,8 +6,9 @@ The tutorial asks for each device's power and keeps the split fixed. Here:
     a probe shard; its power is the examples per second it managed
     (`powers_from_seconds`). The partition follows from `split_batch`.
   * rebalancing: during training every step measures how long each device
-    took for its shard; every K steps the `Rebalancer` moves the shares part
-    of the way toward the split under which all devices would finish together.
+    took for its shard; at the end of each window of K steps (shorter at the
+    start of a run) the `Rebalancer` moves the shares part of the way toward
+    the split under which all devices would finish together.
 
 A device's time is modelled as proportional to its shard. Then the split that
 equalises finishing times gives each device a share proportional to its rate
@@ -131,10 +132,13 @@ def measure_powers(trainer, x, y) -> list[float]:
 
 
 class Rebalancing:
-    """Watches each device's seconds per step; every `every` steps, re-splits.
+    """Watches each device's seconds per step and re-splits at the end of each window.
 
-    Device seconds are tensors the steps return; they are read only at the
-    end of a window, so the loop does not wait for the devices at every step.
+    Windows are `every` steps long, except the first ones of a run: 1, 2, 4,
+    ... steps, up to `every`. The starting split is a guess (or a measurement
+    of each device alone), and the first steps under load correct it most;
+    later, the median over a whole window keeps step-to-step noise out.
+
     With `every` = 0 it only keeps the latest steps' times, for the record.
     """
 
@@ -144,19 +148,21 @@ class Rebalancing:
         self.log = log
         self.rebalancer = Rebalancer(trainer.global_batch_size)
         self.window = []
+        self.window_length = min(1, every)  # steps in the current window
         self.last_seconds = None  # the medians of the last full window
         self.resplits = []  # one dict per re-split, for the result
 
     def observe(self, iteration: int, device_seconds) -> None:
         """Iteration `iteration` (counted from 0) is done and took `device_seconds`."""
-        self.window.append(device_seconds)
+        self.window.append([float(t) for t in device_seconds])
         if not self.every:
             self.window = self.window[-10:]
             return
-        if len(self.window) < self.every:
+        if len(self.window) < self.window_length:
             return
         seconds = self.last_seconds = self.seconds()
         self.window = []
+        self.window_length = min(2 * self.window_length, self.every)
         old = list(self.trainer.shards)
         new = self.rebalancer.propose(old, seconds, first=not self.resplits)
         if new == old:
@@ -173,8 +179,7 @@ class Rebalancing:
         """Median seconds per step of each device over the current (else the last) window."""
         if not self.window:
             return self.last_seconds
-        steps = [[float(t) for t in step] for step in self.window]
-        return [statistics.median(column) for column in zip(*steps)]
+        return [statistics.median(column) for column in zip(*self.window)]
 
 
 # A deterministic cost model of devices, for testing the algorithms without TensorFlow.
@@ -223,7 +228,7 @@ def simulate(
       global_batch: examples per step.
       steps: training steps to simulate.
       powers: fixed powers, () for an even split, or "auto" to probe each device.
-      rebalance_every: re-split every K steps from the median device times; 0: never.
+      rebalance_every: re-split in windows of up to K steps (`Rebalancing`); 0: never.
       probe_repeats: timed probe steps per device for "auto" (the median is used).
       noise: relative jitter of every measured time (a seeded lognormal factor).
       seed: seed of the jitter.
@@ -246,19 +251,26 @@ def simulate(
     else:
         shards = split_batch(global_batch, powers or [1.0] * n)
 
-    rebalancer = Rebalancer(global_batch)
+    trainer = _SimulatedTrainer(global_batch, shards)
+    rebalancing = Rebalancing(trainer, rebalance_every, log=lambda line: None)
     history = Simulation(auto_powers, [], [], [])
-    window = []
     for step in range(steps):
+        shards = list(trainer.shards)
         seconds = [d.seconds(s, step, jitter()) for d, s in zip(devices, shards)]
-        history.shards.append(list(shards))
+        history.shards.append(shards)
         history.seconds.append(seconds)
-        window.append(seconds)
-        if rebalance_every and (step + 1) % rebalance_every == 0:
-            medians = [statistics.median(column) for column in zip(*window)]
-            window = []
-            proposed = rebalancer.propose(shards, medians, first=not history.resplits)
-            if proposed != shards:
-                shards = proposed
-                history.resplits.append(step)
+        rebalancing.observe(step, seconds)
+        if trainer.shards != shards:
+            history.resplits.append(step)
     return history
+
+
+@dataclasses.dataclass
+class _SimulatedTrainer:
+    """What `Rebalancing` needs of a trainer: the global batch and settable shares."""
+
+    global_batch_size: int
+    shards: list[int]
+
+    def set_shards(self, shards) -> None:
+        self.shards = list(shards)

@@ -109,8 +109,9 @@ flags.DEFINE_enum(
 flags.DEFINE_integer(
     "rebalance_every",
     _DEFAULTS.rebalance_every,
-    "weighted: every K steps, re-split the batch toward equal device finishing times, "
-    "from the measured per-device times (0: never).",
+    "weighted: re-split the batch toward equal device finishing times, from the per-device "
+    "times measured over windows of K steps (the first windows of a run: 1, 2, 4, ... "
+    "steps); 0: never.",
 )
 flags.DEFINE_string(
     "simulate_slowdown",

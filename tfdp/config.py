@@ -56,7 +56,7 @@ class Config:
     # allreduce gives MirroredStrategy replicas the uneven shards
     reduce: str = "device0"
     rebalance_every: int = (
-        0  # weighted: re-split the batch every K steps by measured times; 0: never
+        0  # weighted: re-split the batch by times measured over windows of K steps; 0: never
     )
     simulate_slowdown: str = ""  # testing only: 'cpu:1=4' makes cpu:1 4x slower (sleeps)
     collective: str = (
