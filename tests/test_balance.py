@@ -6,6 +6,7 @@ from tfdp.balance import (
     Rebalancer,
     Rebalancing,
     SimulatedDevice,
+    beyond_noise,
     imbalance,
     powers_from_seconds,
     simulate,
@@ -110,6 +111,27 @@ def test_noisy_times_do_not_make_the_split_wander():
     assert len(late) <= 2  # a balanced split is left alone despite 5% jitter per step
     shares = [shards[1] for shards in run.shards[100:]]
     assert max(shares) - min(shares) <= 0.03 * BATCH
+
+
+def test_noise_of_10_percent_per_step_does_not_make_the_split_wander():
+    late = []
+    for seed in range(8):
+        run = simulate(devices([1, 4]), BATCH, steps=300, rebalance_every=5, noise=0.10, seed=seed)
+        late += [s for s in run.resplits if s >= 50]
+        shares = [shards[1] for shards in run.shards[50:]]
+        assert max(shares) - min(shares) <= 0.06 * BATCH
+    # 8 runs of 50 windows each: a window re-splits only if its imbalance stands out
+    # of its own scatter (each re-split on a false alarm takes about one more to undo).
+    assert len(late) <= 16
+
+
+def test_beyond_noise():
+    assert beyond_noise([1.0, 1.2], None, steps=1)  # 20% apart: the tolerance alone
+    assert not beyond_noise([1.0, 1.03], None, steps=5)  # within the 5% tolerance
+    quiet, noisy = [0.01**2] * 2, [0.2**2] * 2  # log-time scatter of 1% and 20% per step
+    assert beyond_noise([1.0, 1.2], quiet, steps=5)
+    assert not beyond_noise([1.0, 1.2], noisy, steps=5)  # 20% apart, by chance
+    assert beyond_noise([1.0, 2.0], noisy, steps=5)
 
 
 def test_auto_then_rebalancing_needs_at_most_one_correction():

@@ -34,6 +34,7 @@ from tfdp.devices import split_batch
 DAMPING = 0.7  # move 70% of the way to the balanced split per re-split
 TOLERANCE = 0.05  # finishing times within 5% of each other count as balanced
 MIN_MOVE = 0.01  # a re-split that moves less than 1% of the batch is not worth making
+MIN_SCATTER = 8  # steps needed to estimate the step-to-step noise of device times
 
 
 def powers_from_seconds(examples: int, seconds: Sequence[float]) -> list[float]:
@@ -131,13 +132,56 @@ def measure_powers(trainer, x, y) -> list[float]:
     )
 
 
+def beyond_noise(
+    seconds: Sequence[float],
+    log_variances: Sequence[float] | None,
+    steps: int,
+    tolerance: float = TOLERANCE,
+) -> bool:
+    """Whether the slowest and fastest devices' median times over a window of
+    `steps` steps differ by more than the tolerance and, when the devices'
+    step-to-step variances of log time are known, by more than 3 standard
+    errors of that difference (a median's standard error is about 1.25 times
+    a mean's).
+
+    On a balanced split, noise alone makes the medians differ; a real
+    imbalance stands out of the noise.
+    """
+    slowest, fastest = seconds.index(max(seconds)), seconds.index(min(seconds))
+    gap = math.log(seconds[slowest] / seconds[fastest])
+    threshold = math.log(1.0 + tolerance)
+    if log_variances is not None:
+        variance = log_variances[slowest] + log_variances[fastest]
+        threshold = max(threshold, 3.0 * 1.25 * math.sqrt(variance / steps))
+    return gap > threshold
+
+
+def window_scatter(window: Sequence[Sequence[float]], medians: Sequence[float]):
+    """Per device, the log of each step's time over the window's median time.
+
+    In a window of an odd number of steps, one step of each device is the
+    median itself; its deviation of 0 says nothing about the noise and is
+    left out. Returns rows of one deviation per device.
+    """
+    columns = []
+    for j, median in enumerate(medians):
+        deviations = [math.log(step[j] / median) for step in window]
+        if len(window) % 2:
+            deviations.remove(min(deviations, key=abs))
+        columns.append(deviations)
+    return [list(row) for row in zip(*columns)]
+
+
 class Rebalancing:
     """Watches each device's seconds per step and re-splits at the end of each window.
 
     Windows are `every` steps long, except the first ones of a run: 1, 2, 4,
     ... steps, up to `every`. The starting split is a guess (or a measurement
     of each device alone), and the first steps under load correct it most;
-    later, the median over a whole window keeps step-to-step noise out.
+    later, the median over a whole window keeps step-to-step noise out, and
+    a window re-splits only if its imbalance stands out of the noise measured
+    so far (`beyond_noise`; the first windows, with too few steps to measure
+    the noise, go by the tolerance alone).
 
     With `every` = 0 it only keeps the latest steps' times, for the record.
     """
@@ -151,6 +195,7 @@ class Rebalancing:
         self.window_length = min(1, every)  # steps in the current window
         self.last_seconds = None  # the medians of the last full window
         self.resplits = []  # one dict per re-split, for the result
+        self.scatter = []  # rows of `window_scatter`, over the windows so far
 
     def observe(self, iteration: int, device_seconds) -> None:
         """Iteration `iteration` (counted from 0) is done and took `device_seconds`."""
@@ -161,11 +206,16 @@ class Rebalancing:
         if len(self.window) < self.window_length:
             return
         seconds = self.last_seconds = self.seconds()
+        if len(self.window) > 1:
+            self.scatter += window_scatter(self.window, seconds)
+        significant = beyond_noise(
+            seconds, self.log_variances(), len(self.window), self.rebalancer.tolerance
+        )
         self.window = []
         self.window_length = min(2 * self.window_length, self.every)
         old = list(self.trainer.shards)
         new = self.rebalancer.propose(old, seconds, first=not self.resplits)
-        if new == old:
+        if new == old or not significant:
             return
         self.trainer.set_shards(new)
         self.resplits.append({"iteration": iteration, "old": old, "new": new, "seconds": seconds})
@@ -174,6 +224,20 @@ class Rebalancing:
             f"(device seconds per step {', '.join(f'{t:.3f}' for t in seconds)}, "
             f"imbalance {imbalance(seconds):.0%})"
         )
+
+    def log_variances(self) -> list[float] | None:
+        """Each device's step-to-step variance of log time, pooled over the windows so
+        far; None until there are `MIN_SCATTER` steps to estimate it from.
+
+        A robust estimate, (1.4826 x the median absolute deviation) squared: a
+        window in which a device's speed changed does not inflate it for good.
+        """
+        if len(self.scatter) < MIN_SCATTER:
+            return None
+        return [
+            (1.4826 * statistics.median(abs(d) for d in column)) ** 2
+            for column in zip(*self.scatter)
+        ]
 
     def seconds(self) -> list[float] | None:
         """Median seconds per step of each device over the current (else the last) window."""

@@ -300,7 +300,10 @@ def banner(plan: Plan, start_step: int, shards: list[int]) -> str:
     if config.mode == "weighted":
         text += f"; gradients summed by {config.reduce}"
     if config.rebalance_every:
-        text += f"; re-split every {config.rebalance_every} iterations by measured device times"
+        text += (
+            f"; re-split by measured device times, in windows of up to "
+            f"{config.rebalance_every} iterations"
+        )
     if start_step:
         text += f"; resuming at iteration {start_step} from {config.model_dir}"
     return text
