@@ -8,7 +8,7 @@ slowdown (`--slowdown=cpu:1=4`, the default there). Rows:
   static a:b          the tutorial's way: powers guessed once (the nominal factor)
   auto                --powers=auto: each device timed alone, then fixed
   auto, allreduce     the same shares on MirroredStrategy replicas
-  dynamic             an even start, re-split every 5 steps (--rebalance_every=5)
+  dynamic             an even start, rebalanced in windows of up to 5 steps (--rebalance_every=5)
   auto + dynamic      both
   share s             a sweep of static splits: the slow device gets s examples
 
