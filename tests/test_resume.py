@@ -241,3 +241,43 @@ def test_export_summaries_and_result(tmp_path):
     hidden = np.maximum(test.images @ weights[0] + weights[1], 0)
     accuracy = np.mean(np.argmax(hidden @ weights[2] + weights[3], -1) == test.labels)
     assert accuracy == pytest.approx(saved["test_accuracy"], abs=1e-6)
+
+
+def test_a_resumed_run_keeps_its_measured_split(tmp_path):
+    model_dir = str(tmp_path)
+    args = [
+        *TOY,
+        "--mode=weighted",
+        "--powers=auto",
+        "--rebalance_every=2",
+        "--simulate_slowdown=cpu:1=4",
+        f"--model_dir={model_dir}",
+    ]
+    first = tfdp(*args, "--iterations=10")
+    assert first.returncode == 0, first.stderr
+    assert "auto powers, each device alone" in first.stdout
+    split = result(model_dir)["final_shards"]
+    with open(os.path.join(model_dir, "shares.json")) as f:
+        saved = json.load(f)
+    assert saved["step"] == 10 and saved["shards"] == split
+
+    second = tfdp(*args, "--iterations=14")
+    assert second.returncode == 0, second.stderr
+    assert "resuming at iteration 10" in second.stdout
+    assert "auto powers" not in second.stdout  # not measured again
+    assert f"shares {split}: the split at iteration 10, from " in second.stdout
+    resumed = result(model_dir)
+    assert resumed["shards"] == split
+    assert resumed["resumed_shares"]["shards"] == split
+
+
+def test_an_unreadable_shares_file_is_an_error(tmp_path):
+    model_dir = str(tmp_path)
+    args = [*TOY, "--mode=weighted", "--powers=auto", f"--model_dir={model_dir}"]
+    assert tfdp(*args, "--iterations=4").returncode == 0
+    with open(os.path.join(model_dir, "shares.json"), "w") as f:
+        f.write("{not json")
+    process = tfdp(*args, "--iterations=6")
+    assert process.returncode != 0
+    assert f"--model_dir={model_dir}: {model_dir}/shares.json is unreadable" in process.stderr
+    assert "delete it to measure the split again" in process.stderr

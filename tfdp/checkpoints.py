@@ -3,6 +3,7 @@
 DIR/
   run.json        the settings a checkpoint depends on, written before the first save
   checkpoints/    tf.train.CheckpointManager: model, optimizer, step (= input position)
+  shares.json     weighted: each device's share of the batch at the latest save
   train/, eval/   TensorBoard summaries
   model.keras     the trained model, loadable with keras.models.load_model
   result.json     the run's result
@@ -20,6 +21,7 @@ RUN_FILE = "run.json"
 # A checkpoint only continues a run with these the same: they fix the
 # variables' shapes and the sequence of batches that step k stands for.
 RUN_FIELDS = ("model", "dataset", "hidden_units", "batch_size", "seed")
+SHARES_FILE = "shares.json"
 
 
 def run_settings(config) -> dict:
@@ -124,7 +126,34 @@ class Checkpointer:
         if not os.path.exists(run_file):
             write_atomically(run_file, json.dumps(run_settings(self.config), indent=2) + "\n")
         self.step.assign(step)
-        return self.manager.save(checkpoint_number=step)
+        path = self.manager.save(checkpoint_number=step)
+        if self.config.mode == "weighted":  # the split is not a variable of the step's math
+            shares = {"step": step, "devices": self.trainer.devices, "shards": self.trainer.shards}
+            write_atomically(self.shares_file, json.dumps(shares) + "\n")
+        return path
+
+    @property
+    def shares_file(self) -> str:
+        return os.path.join(self.config.model_dir, SHARES_FILE)
+
+    def saved_shares(self) -> dict | None:
+        """The split saved with the latest checkpoint (`step`, `devices`, `shards`), if any."""
+        if not os.path.exists(self.shares_file):
+            return None
+        try:
+            with open(self.shares_file) as f:
+                saved = json.load(f)
+            return {
+                "step": int(saved["step"]),
+                "devices": saved["devices"],
+                "shards": saved["shards"],
+            }
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ConfigError(
+                "model_dir",
+                self.config.model_dir,
+                f"{self.shares_file} is unreadable: {error!r}; delete it to measure the split again",
+            ) from None
 
 
 def export_model(config, weights, path: str) -> None:

@@ -217,15 +217,19 @@ def build_trainer(config: Config, devices: list[str], shards: list[int]):
     )
 
 
-def set_up_split(plan: Plan, trainer, log: Callable[[str], None] = print) -> dict:
+def set_up_split(
+    plan: Plan, trainer, log: Callable[[str], None] = print, measure: bool = True
+) -> dict:
     """The simulated slowdown and auto powers; both time each device alone, before training.
 
+    With `measure` False, auto powers are not measured (a resumed run has its split).
     Returns what was set up, for the result.
     """
     config = plan.config
     info = {"simulated_slowdown": None, "auto_powers": None}
     slowdown = parse_slowdown(config.simulate_slowdown)
-    if not slowdown and config.powers != AUTO:
+    measure = measure and config.powers == AUTO
+    if not slowdown and not measure:
         return info
     probe = max(1, config.batch_size // len(plan.devices))  # an even share
     x, y = data_lib.first_examples(plan.train_data, probe)
@@ -246,7 +250,7 @@ def set_up_split(plan: Plan, trainer, log: Callable[[str], None] = print) -> dic
                 if f != 1
             )
         )
-    if config.powers == AUTO:
+    if measure:
         rates = balance.measure_powers(trainer, x, y)
         shards = balance.whole_shares(config.batch_size, rates)
         trainer.set_shards(shards)
@@ -261,6 +265,24 @@ def set_up_split(plan: Plan, trainer, log: Callable[[str], None] = print) -> dic
             + ", ".join(f"{name} {r:.0f} images/s" for name, r in zip(names, rates))
         )
     return info
+
+
+def resumed_shares(config: Config, trainer, checkpointer) -> dict | None:
+    """The split a resumed run continues with: the one saved with its checkpoint, when
+    the split was measured (auto powers or rebalancing) and the devices are the same.
+
+    Any split makes the same update; this only spares the run measuring again.
+    """
+    if config.mode != "weighted" or not (config.powers == AUTO or config.rebalance_every):
+        return None
+    saved = checkpointer.saved_shares()
+    if (
+        saved is None
+        or saved["devices"] != list(trainer.devices)
+        or sum(saved["shards"]) != trainer.global_batch_size
+    ):
+        return None
+    return saved
 
 
 class NonFiniteLoss(RuntimeError):
@@ -350,7 +372,15 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
             say(f"auto powers: measured images/sec {rates}; powers {auto_powers['powers']}")
         rebalancing = None
     else:
-        split_info = set_up_split(plan, trainer, say)
+        resumed = resumed_shares(config, trainer, checkpointer) if start_step else None
+        split_info = set_up_split(plan, trainer, say, measure=resumed is None)
+        split_info["resumed_shares"] = resumed
+        if resumed:
+            trainer.set_shards(resumed["shards"])
+            say(
+                f"shares {resumed['shards']}: the split at iteration {resumed['step']}, "
+                f"from {checkpointer.shares_file}"
+            )
         rebalancing = balance.Rebalancing(trainer, config.rebalance_every, say)
     shards = list(trainer.shards)
     say(f"workload partition: {[(short_name(d), n) for d, n in zip(plan.devices, shards)]}")
