@@ -1,5 +1,9 @@
 """Auto powers and rebalancing against the cost model (pure Python, no TensorFlow)."""
 
+import math
+import random
+import statistics
+
 import pytest
 
 from tfdp.balance import (
@@ -7,6 +11,8 @@ from tfdp.balance import (
     Rebalancing,
     SimulatedDevice,
     beyond_noise,
+    expected_slowest,
+    fastest_shares,
     imbalance,
     powers_from_seconds,
     simulate,
@@ -125,13 +131,86 @@ def test_noise_of_10_percent_per_step_does_not_make_the_split_wander():
     assert len(late) <= 16
 
 
+def away_from_equal_times(seconds):
+    """`departures` from the split of equal finishing times, from the times alone."""
+    return [-math.log(t) for t in seconds]
+
+
 def test_beyond_noise():
-    assert beyond_noise([1.0, 1.2], None, steps=1)  # 20% apart: the tolerance alone
-    assert not beyond_noise([1.0, 1.03], None, steps=5)  # within the 5% tolerance
+    assert beyond_noise(away_from_equal_times([1.0, 1.2]), None, steps=1)  # the tolerance alone
+    assert not beyond_noise(away_from_equal_times([1.0, 1.03]), None, steps=5)  # within 5%
     quiet, noisy = [0.01**2] * 2, [0.2**2] * 2  # log-time scatter of 1% and 20% per step
-    assert beyond_noise([1.0, 1.2], quiet, steps=5)
-    assert not beyond_noise([1.0, 1.2], noisy, steps=5)  # 20% apart, by chance
-    assert beyond_noise([1.0, 2.0], noisy, steps=5)
+    assert beyond_noise(away_from_equal_times([1.0, 1.2]), quiet, steps=5)
+    assert not beyond_noise(away_from_equal_times([1.0, 1.2]), noisy, steps=5)  # by chance
+    assert beyond_noise(away_from_equal_times([1.0, 1.2]), noisy, steps=80)  # seen long enough
+    assert beyond_noise(away_from_equal_times([1.0, 2.0]), noisy, steps=5)
+
+
+def normal_cdf(z):
+    return 0.5 * (1 + math.erf(z / math.sqrt(2)))
+
+
+def test_expected_slowest_of_two_matches_the_closed_form():
+    # Clark (1961): E[max] of two independent normals.
+    for means, sds in [
+        ([1.0, 1.0], [0.1, 0.1]),
+        ([1.0, 0.8], [0.1, 0.05]),
+        ([2.0, 1.0], [0.1, 0.1]),
+    ]:
+        theta = math.hypot(*sds)
+        a = (means[0] - means[1]) / theta
+        density = math.exp(-a * a / 2) / math.sqrt(2 * math.pi)
+        exact = means[0] * normal_cdf(a) + means[1] * normal_cdf(-a) + theta * density
+        expected, slowest = expected_slowest(means, sds)
+        assert expected == pytest.approx(exact, rel=1e-6)
+        assert sum(slowest) == pytest.approx(expected, rel=1e-6)
+
+
+def test_expected_slowest_of_four_matches_sampling():
+    means, sds = [1.0, 1.1, 0.9, 1.05], [0.1, 0.05, 0.2, 0.1]
+    rng = random.Random(0)
+    samples = [max(rng.gauss(m, s) for m, s in zip(means, sds)) for _ in range(100_000)]
+    assert expected_slowest(means, sds)[0] == pytest.approx(statistics.fmean(samples), abs=0.002)
+
+
+def expected_step(shares, rates, log_sds):
+    means = [b / r for b, r in zip(shares, rates)]
+    return expected_slowest(means, [m * s for m, s in zip(means, log_sds)])[0]
+
+
+def test_fastest_shares():
+    # Without noise: equal finishing times, i.e. shares in proportion to the rates.
+    assert fastest_shares([1000, 4000], [0, 0], BATCH) == pytest.approx([204.8, 819.2])
+    # Equal devices, equal noise: still an even split.
+    assert fastest_shares([3000, 3000], [0.1, 0.1], BATCH) == pytest.approx([512, 512], abs=1)
+    # A slow and a fast device, both scattering 10%: the slow one gets less than
+    # equal finishing times would give it, and no nearby split is faster.
+    rates, noise = [1000, 4000], [0.1, 0.1]
+    shares = fastest_shares(rates, noise, BATCH)
+    assert sum(shares) == pytest.approx(BATCH)
+    assert 150 < shares[0] < 200
+    best = expected_step(shares, rates, noise)
+    assert best < 0.99 * expected_step([204.8, 819.2], rates, noise)
+    for move in (-4, -1, 1, 4):
+        assert best <= expected_step([shares[0] + move, shares[1] - move], rates, noise)
+    # A noisier device gets less too.
+    shares = fastest_shares([3000, 3000, 3000], [0.02, 0.02, 0.2], BATCH)
+    assert shares[2] < min(shares[:2])
+
+
+def test_rebalancing_under_noise_beats_equal_finishing_times():
+    # The same seeded jitter for both runs, so they differ only in their splits.
+    speeds, steps = [1, 4], 300
+    equal = simulate(devices(speeds), BATCH, steps, powers=[1, 4], noise=0.10, seed=5)
+    rebalanced = simulate(
+        devices(speeds), BATCH, steps, powers=[1, 4], rebalance_every=5, noise=0.10, seed=5
+    )
+
+    def late_mean(run):
+        return statistics.fmean(run.step_seconds(step) for step in range(100, steps))
+
+    assert late_mean(rebalanced) < 0.98 * late_mean(equal)
+    assert rebalanced.shards[-1][0] < 0.9 * equal.shards[-1][0]
 
 
 def test_auto_then_rebalancing_needs_at_most_one_correction():

@@ -16,6 +16,14 @@ equalises finishing times gives each device a share proportional to its rate
 (damping) and leaving splits alone whose times already agree within a
 tolerance keep measurement noise from making the split oscillate.
 
+Once the devices' step-to-step noise is measured, the target is the split
+with the shortest *expected* step (`fastest_shares`), not equal mean times:
+a step lasts as long as its slowest device, and when every device's time
+scatters, equal means leave each device the slowest half of the time. An
+example moved off a slow device saves more time than it costs a fast one,
+so the fastest expected step gives slow devices a little less. Without
+noise the two targets are the same split.
+
 Pure Python (trainers are used through their methods, tensors read with
 float()): the training loop, tfdp-bench and the cost model below
 (`simulate`, used by the unit tests) run the same code.
@@ -69,6 +77,81 @@ def _largest_remainder(total: int, weights: Sequence[float]) -> list[int]:
     return shares
 
 
+def expected_slowest(means: Sequence[float], sds: Sequence[float], points: int = 128):
+    """The expected time of the slowest of independent normal device times.
+
+    Args:
+      means, sds: each device's mean and standard deviation of time.
+      points: intervals of the integration grid.
+
+    Returns:
+      (E[max_i T_i], [E[T_i; device i is the slowest] for each i]).
+      The second part, divided by a device's share, is how fast the expected
+      step grows per example added to that device.
+    """
+    sds = [max(sd, 1e-6 * mean, 1e-12) for mean, sd in zip(means, sds)]
+    low = max(m - 6.0 * sd for m, sd in zip(means, sds))  # below: some device is surely later
+    high = max(m + 6.0 * sd for m, sd in zip(means, sds))
+    width = (high - low) / points
+    expected, slowest = low, [0.0] * len(means)
+    for k in range(points + 1):
+        x = low + k * width
+        weight = width * (1 if k in (0, points) else 4 if k % 2 else 2) / 3  # Simpson
+        z = [(x - m) / sd for m, sd in zip(means, sds)]
+        cdf = [0.5 * (1.0 + math.erf(v / math.sqrt(2.0))) for v in z]
+        everyone_done = math.prod(cdf)
+        expected += weight * (1.0 - everyone_done)
+        for i, (v, sd) in enumerate(zip(z, sds)):
+            others_done = math.prod(c for j, c in enumerate(cdf) if j != i)
+            density = math.exp(-0.5 * v * v) / (sd * math.sqrt(2.0 * math.pi))
+            slowest[i] += weight * x * density * others_done
+    return expected, slowest
+
+
+def fastest_shares(rates: Sequence[float], log_sds: Sequence[float], total: float) -> list[float]:
+    """Shares of `total` examples with the shortest expected step.
+
+    Device i takes shares[i] / rates[i] seconds on average, and scatters by
+    log_sds[i] (step-to-step standard deviation of log time) around it. The
+    step waits for the slowest device, so the expected step is E[max_i T_i],
+    which is convex in the shares. Starting from equal mean times (the answer
+    without noise), examples move from the device where they cost the
+    expected step most to the one where they cost it least, while that
+    shortens the step.
+    """
+    shares = [total * r / sum(rates) for r in rates]
+    if not any(log_sds):
+        return shares
+
+    def cost(shares):
+        means = [b / r for b, r in zip(shares, rates)]
+        expected, slowest = expected_slowest(means, [m * s for m, s in zip(means, log_sds)])
+        return expected, [t / b for t, b in zip(slowest, shares)]
+
+    expected, marginal = cost(shares)
+    step = total / 32
+    while step >= 0.25:  # a quarter of an example
+        worst = marginal.index(max(marginal))
+        best = marginal.index(min(marginal))
+        move = min(step, shares[worst] - 1.0)
+        if worst == best or move <= 0:
+            break
+        trial = list(shares)
+        trial[worst] -= move
+        trial[best] += move
+        trial_expected, trial_marginal = cost(trial)
+        if trial_expected < expected:
+            shares, expected, marginal = trial, trial_expected, trial_marginal
+        else:
+            step /= 2
+    return shares
+
+
+def departures(shards: Sequence[int], target: Sequence[float]) -> list[float]:
+    """How far each device's share is from its target: log(target / share)."""
+    return [math.log(t / s) for s, t in zip(shards, target)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Rebalancer:
     """Proposes new shares of a fixed global batch from measured device times."""
@@ -78,24 +161,46 @@ class Rebalancer:
     tolerance: float = TOLERANCE
     min_move: float = MIN_MOVE
 
+    def target(
+        self,
+        shards: Sequence[int],
+        seconds: Sequence[float],
+        log_variances: Sequence[float] | None = None,
+    ) -> list[float]:
+        """The split to aim for, given each device's seconds per step at `shards`:
+        equal finishing times, or with the devices' noise known
+        (`log_variances`), the shortest expected step (`fastest_shares`)."""
+        rates = [s / t for s, t in zip(shards, seconds, strict=True)]
+        log_sds = [math.sqrt(v) for v in log_variances] if log_variances else [0.0] * len(rates)
+        return fastest_shares(rates, log_sds, self.global_batch)
+
     def propose(
-        self, shards: Sequence[int], seconds: Sequence[float], first: bool = False
+        self,
+        shards: Sequence[int],
+        seconds: Sequence[float],
+        first: bool = False,
+        log_variances: Sequence[float] | None = None,
     ) -> list[int]:
         """New shares, given each device's compute seconds per step at `shards`.
 
         The `first` re-split of a run goes all the way: its starting split was
         a guess, and there is no earlier measurement to weigh against.
 
-        Returns `shards` unchanged when the times already agree within the
-        tolerance, or when no share would move by `min_move` of the batch.
+        Returns `shards` unchanged when they are within the tolerance of the
+        target (for equal finishing times: the times agree within it), or
+        when no share would move by `min_move` of the batch.
         """
-        if imbalance(seconds) <= self.tolerance:
+        return self.move_toward(shards, self.target(shards, seconds, log_variances), first)
+
+    def move_toward(
+        self, shards: Sequence[int], target: Sequence[float], first: bool = False
+    ) -> list[int]:
+        """`propose`, with the target given."""
+        away = departures(shards, target)
+        if max(away) - min(away) <= math.log(1.0 + self.tolerance):
             return list(shards)
-        rates = [s / t for s, t in zip(shards, seconds, strict=True)]
-        balanced = [r / sum(rates) for r in rates]
-        current = [s / self.global_batch for s in shards]
         damping = 1.0 if first else self.damping
-        moved = [c + damping * (b - c) for c, b in zip(current, balanced)]
+        moved = [s + damping * (t - s) for s, t in zip(shards, target)]
         proposed = whole_shares(self.global_batch, moved)
         largest_move = max(abs(p - s) for p, s in zip(proposed, shards))
         if largest_move < self.min_move * self.global_batch:
@@ -133,25 +238,28 @@ def measure_powers(trainer, x, y) -> list[float]:
 
 
 def beyond_noise(
-    seconds: Sequence[float],
+    away: Sequence[float],
     log_variances: Sequence[float] | None,
     steps: int,
     tolerance: float = TOLERANCE,
 ) -> bool:
-    """Whether the slowest and fastest devices' median times over a window of
-    `steps` steps differ by more than the tolerance and, when the devices'
-    step-to-step variances of log time are known, by more than 3 standard
-    errors of that difference (a median's standard error is about 1.25 times
-    a mean's).
+    """Whether shares measured over `steps` steps are off their target by more
+    than chance.
 
-    On a balanced split, noise alone makes the medians differ; a real
-    imbalance stands out of the noise.
+    `away` is each device's `departures` (log of target over share). With
+    equal finishing times as the target, the spread of these is the log of
+    the slowest device's median time over the fastest's. It must exceed the
+    tolerance and, when the devices' step-to-step variances of log time are
+    known, 3 standard errors of the difference of those two devices' medians
+    (a median's standard error is about 1.25 times a mean's). On a balanced
+    split, noise alone makes the medians differ; a real imbalance stands out
+    of the noise.
     """
-    slowest, fastest = seconds.index(max(seconds)), seconds.index(min(seconds))
-    gap = math.log(seconds[slowest] / seconds[fastest])
+    most, least = away.index(max(away)), away.index(min(away))
+    gap = away[most] - away[least]
     threshold = math.log(1.0 + tolerance)
     if log_variances is not None:
-        variance = log_variances[slowest] + log_variances[fastest]
+        variance = log_variances[most] + log_variances[least]
         threshold = max(threshold, 3.0 * 1.25 * math.sqrt(variance / steps))
     return gap > threshold
 
@@ -177,14 +285,19 @@ class Rebalancing:
 
     Windows are `every` steps long, except the first ones of a run: 1, 2, 4,
     ... steps, up to `every`. The starting split is a guess (or a measurement
-    of each device alone), and the first steps under load correct it most;
-    later, the median over a whole window keeps step-to-step noise out, and
-    a window re-splits only if its imbalance stands out of the noise measured
-    so far (`beyond_noise`; the first windows, with too few steps to measure
-    the noise, go by the tolerance alone).
+    of each device alone), and the first steps under load correct it most.
+    Later, a split is judged on the median times of all its steps so far (up
+    to the last `HISTORY` windows): the longer a split stands, the finer the
+    difference that can be told from noise. A window re-splits only if its
+    split is off the target by more than the noise measured so far allows
+    (`beyond_noise`; the first windows, with too few steps to measure the
+    noise, go by the tolerance alone). With the noise measured, the target
+    is the fastest expected step (`fastest_shares`).
 
     With `every` = 0 it only keeps the latest steps' times, for the record.
     """
+
+    HISTORY = 4  # windows of the current split that its medians are taken over
 
     def __init__(self, trainer, every: int, log: Callable[[str], None] = print):
         self.trainer = trainer
@@ -193,6 +306,7 @@ class Rebalancing:
         self.rebalancer = Rebalancer(trainer.global_batch_size)
         self.window = []
         self.window_length = min(1, every)  # steps in the current window
+        self.split_steps = []  # device times of the current split's latest steps
         self.last_seconds = None  # the medians of the last full window
         self.resplits = []  # one dict per re-split, for the result
         self.scatter = []  # rows of `window_scatter`, over the windows so far
@@ -205,24 +319,45 @@ class Rebalancing:
             return
         if len(self.window) < self.window_length:
             return
-        seconds = self.last_seconds = self.seconds()
+        self.last_seconds = self.seconds()
         if len(self.window) > 1:
-            self.scatter += window_scatter(self.window, seconds)
-        significant = beyond_noise(
-            seconds, self.log_variances(), len(self.window), self.rebalancer.tolerance
-        )
+            self.scatter += window_scatter(self.window, self.last_seconds)
+        self.split_steps = (self.split_steps + self.window)[-self.HISTORY * self.every :]
         self.window = []
         self.window_length = min(2 * self.window_length, self.every)
+
+        seconds = [statistics.median(column) for column in zip(*self.split_steps)]
+        variances = self.log_variances()
         old = list(self.trainer.shards)
-        new = self.rebalancer.propose(old, seconds, first=not self.resplits)
+        target = self.rebalancer.target(old, seconds, variances)
+        new = self.rebalancer.move_toward(old, target, first=not self.resplits)
+        significant = beyond_noise(
+            departures(old, target), variances, len(self.split_steps), self.rebalancer.tolerance
+        )
         if new == old or not significant:
             return
         self.trainer.set_shards(new)
-        self.resplits.append({"iteration": iteration, "old": old, "new": new, "seconds": seconds})
+        self.split_steps = []
+        noise = [math.sqrt(v) for v in variances] if variances else None
+        self.resplits.append(
+            {
+                "iteration": iteration,
+                "old": old,
+                "new": new,
+                "seconds": seconds,
+                "target": [round(t, 1) for t in target],
+                "log_sd": noise,
+            }
+        )
+        aim = (
+            "equal finishing times"
+            if noise is None
+            else f"the fastest expected step at noise {', '.join(f'{n:.0%}' for n in noise)}"
+        )
         self.log(
             f"rebalanced after iteration {iteration}: shares {old} -> {new} "
             f"(device seconds per step {', '.join(f'{t:.3f}' for t in seconds)}, "
-            f"imbalance {imbalance(seconds):.0%})"
+            f"imbalance {imbalance(seconds):.0%}; aiming at {aim})"
         )
 
     def log_variances(self) -> list[float] | None:
