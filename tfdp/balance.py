@@ -312,13 +312,18 @@ class Rebalancing:
         self.scatter = []  # rows of `window_scatter`, over the windows so far
 
     def observe(self, iteration: int, device_seconds) -> None:
-        """Iteration `iteration` (counted from 0) is done and took `device_seconds`."""
-        self.window.append([float(t) for t in device_seconds])
+        """Iteration `iteration` (counted from 0) is done and took `device_seconds`.
+
+        The times may be tensors still being computed: they are read only at
+        the end of a window, so the loop does not wait for each step.
+        """
+        self.window.append(device_seconds)
         if not self.every:
             self.window = self.window[-10:]
             return
         if len(self.window) < self.window_length:
             return
+        self.window = _read(self.window)
         self.last_seconds = self.seconds()
         if len(self.window) > 1:
             self.scatter += window_scatter(self.window, self.last_seconds)
@@ -378,7 +383,12 @@ class Rebalancing:
         """Median seconds per step of each device over the current (else the last) window."""
         if not self.window:
             return self.last_seconds
-        return [statistics.median(column) for column in zip(*self.window)]
+        return [statistics.median(column) for column in zip(*_read(self.window))]
+
+
+def _read(steps) -> list[list[float]]:
+    """Device times per step as floats (reading tensors waits for their steps)."""
+    return [[float(t) for t in step] for step in steps]
 
 
 # A deterministic cost model of devices, for testing the algorithms without TensorFlow.
