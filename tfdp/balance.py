@@ -99,12 +99,15 @@ def expected_slowest(means: Sequence[float], sds: Sequence[float], points: int =
         weight = width * (1 if k in (0, points) else 4 if k % 2 else 2) / 3  # Simpson
         z = [(x - m) / sd for m, sd in zip(means, sds)]
         cdf = [0.5 * (1.0 + math.erf(v / math.sqrt(2.0))) for v in z]
-        everyone_done = math.prod(cdf)
-        expected += weight * (1.0 - everyone_done)
+        before, after = [1.0], [1.0]  # products of the cdfs before and after each device
+        for c, d in zip(cdf[:-1], reversed(cdf[1:])):
+            before.append(before[-1] * c)
+            after.append(after[-1] * d)
+        after.reverse()
+        expected += weight * (1.0 - before[-1] * cdf[-1])
         for i, (v, sd) in enumerate(zip(z, sds)):
-            others_done = math.prod(c for j, c in enumerate(cdf) if j != i)
             density = math.exp(-0.5 * v * v) / (sd * math.sqrt(2.0 * math.pi))
-            slowest[i] += weight * x * density * others_done
+            slowest[i] += weight * x * density * before[i] * after[i]  # others are done
     return expected, slowest
 
 
