@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from tfdp.devices import split_batch
 
 DAMPING = 0.7  # move 70% of the way to the balanced split per re-split
-TOLERANCE = 0.05  # finishing times within 5% of each other count as balanced
+TOLERANCE = 0.05  # shares within 5% of the target (equal times: within 5%) are left alone
 MIN_MOVE = 0.01  # a re-split that moves less than 1% of the batch is not worth making
 MIN_SCATTER = 8  # steps needed to estimate the step-to-step noise of device times
 
