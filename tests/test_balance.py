@@ -10,6 +10,7 @@ from tfdp.balance import (
     Rebalancer,
     Rebalancing,
     SimulatedDevice,
+    affine_times,
     beyond_noise,
     expected_slowest,
     fastest_shares,
@@ -249,3 +250,31 @@ def test_whole_shares_give_everyone_at_least_one_example(fractions):
     assert sum(shares) == BATCH
     assert min(shares) >= 1
     assert len(shares) == len(fractions)
+
+
+def test_two_splits_give_each_device_its_overhead():
+    # Devices with a fixed cost per step: time = overhead + share / rate. The
+    # proportional model, from one split, misses equal finishing times; the line
+    # through two splits finds them.
+    overheads, rates = [0.05, 0.01], [1000.0, 4000.0]
+
+    def seconds(shares):
+        return [a + b / r for a, b, r in zip(overheads, shares, rates)]
+
+    first, second = [512, 512], [300, 724]
+    rebalancer = Rebalancer(BATCH)
+    exact = rebalancer.target(second, seconds(second), previous=(first, seconds(first)))
+    times = seconds(exact)
+    assert max(times) / min(times) == pytest.approx(1.0, abs=1e-9)
+    assert sum(exact) == pytest.approx(BATCH)
+    one_split = rebalancer.target(second, seconds(second))
+    assert imbalance(seconds(one_split)) > 0.05
+
+
+def test_a_device_whose_share_barely_moved_keeps_the_proportional_model():
+    rates, overheads = affine_times(([512, 512], [0.5, 0.2]), ([500, 524], [0.3, 0.21]))
+    assert overheads == [0.0, 0.0]  # 2% changes: too small to fit a line through
+    assert rates == [500 / 0.3, 524 / 0.21]
+    rates, overheads = affine_times(([512, 512], [0.5, 0.2]), ([300, 724], [0.3, 0.19]))
+    assert overheads[0] == pytest.approx(0.5 - 512 * 0.2 / 212)  # the line through both
+    assert overheads[1] == 0.0  # time fell as the share rose: not a line to trust

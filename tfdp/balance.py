@@ -43,6 +43,7 @@ DAMPING = 0.7  # move 70% of the way to the balanced split per re-split
 TOLERANCE = 0.05  # shares within 5% of the target (equal times: within 5%) are left alone
 MIN_MOVE = 0.01  # a re-split that moves less than 1% of the batch is not worth making
 MIN_SCATTER = 8  # steps needed to estimate the step-to-step noise of device times
+MIN_FIT_CHANGE = 0.1  # a device's share must change by 10% to fit its time's overhead
 
 
 def powers_from_seconds(examples: int, seconds: Sequence[float]) -> list[float]:
@@ -111,10 +112,16 @@ def expected_slowest(means: Sequence[float], sds: Sequence[float], points: int =
     return expected, slowest
 
 
-def fastest_shares(rates: Sequence[float], log_sds: Sequence[float], total: float) -> list[float]:
+def fastest_shares(
+    rates: Sequence[float],
+    log_sds: Sequence[float],
+    total: float,
+    overheads: Sequence[float] | None = None,
+) -> list[float]:
     """Shares of `total` examples with the shortest expected step.
 
-    Device i takes shares[i] / rates[i] seconds on average, and scatters by
+    Device i takes overheads[i] + shares[i] / rates[i] seconds on average
+    (no overheads: time proportional to the share), and scatters by
     log_sds[i] (step-to-step standard deviation of log time) around it. The
     step waits for the slowest device, so the expected step is E[max_i T_i],
     which is convex in the shares. Starting from equal mean times (the answer
@@ -122,14 +129,21 @@ def fastest_shares(rates: Sequence[float], log_sds: Sequence[float], total: floa
     expected step most to the one where they cost it least, while that
     shortens the step.
     """
-    shares = [total * r / sum(rates) for r in rates]
+    overheads = list(overheads or [0.0] * len(rates))
+    # Equal means: overhead + share / rate = T for every device.
+    finish = (total + sum(a * r for a, r in zip(overheads, rates))) / sum(rates)
+    shares = [r * (finish - a) for a, r in zip(overheads, rates)]
+    if min(shares) < 1.0:  # a device too slow to give any work: time as if proportional
+        overheads = [0.0] * len(rates)
+        shares = [total * r / sum(rates) for r in rates]
     if not any(log_sds):
         return shares
 
     def cost(shares):
-        means = [b / r for b, r in zip(shares, rates)]
+        means = [a + b / r for a, b, r in zip(overheads, shares, rates)]
         expected, slowest = expected_slowest(means, [m * s for m, s in zip(means, log_sds)])
-        return expected, [t / b for t, b in zip(slowest, shares)]
+        # d T_i / d share_i = T_i / (rate_i * mean_i): the noise scales with the mean.
+        return expected, [t / (r * m) for t, r, m in zip(slowest, rates, means)]
 
     expected, marginal = cost(shares)
     step = total / 32
@@ -148,6 +162,31 @@ def fastest_shares(rates: Sequence[float], log_sds: Sequence[float], total: floa
         else:
             step /= 2
     return shares
+
+
+def affine_times(before, now, min_change: float = MIN_FIT_CHANGE):
+    """Each device's time per step as overhead + share / rate, from two splits.
+
+    `before` and `now` are (shares, median seconds) of two splits in a row.
+    A device whose share changed by at least `min_change` of it, and whose
+    time rose with it, gets the line through its two points; a device whose
+    share barely moved, or whose line would be non-physical (time falling
+    with the share, or a negative overhead), gets time proportional to its
+    share, from `now` alone.
+
+    Returns (rates, overheads).
+    """
+    rates, overheads = [], []
+    for b0, t0, b1, t1 in zip(*before, *now):
+        slope = (t1 - t0) / (b1 - b0) if b1 != b0 else 0.0
+        overhead = t1 - slope * b1
+        if abs(b1 - b0) >= min_change * max(b0, b1) and slope > 0 and overhead >= 0:
+            rates.append(1.0 / slope)
+            overheads.append(overhead)
+        else:
+            rates.append(b1 / t1)
+            overheads.append(0.0)
+    return rates, overheads
 
 
 def departures(shards: Sequence[int], target: Sequence[float]) -> list[float]:
@@ -169,13 +208,23 @@ class Rebalancer:
         shards: Sequence[int],
         seconds: Sequence[float],
         log_variances: Sequence[float] | None = None,
+        previous: tuple[Sequence[int], Sequence[float]] | None = None,
     ) -> list[float]:
         """The split to aim for, given each device's seconds per step at `shards`:
         equal finishing times, or with the devices' noise known
-        (`log_variances`), the shortest expected step (`fastest_shares`)."""
-        rates = [s / t for s, t in zip(shards, seconds, strict=True)]
+        (`log_variances`), the shortest expected step (`fastest_shares`).
+
+        Each device's time is taken as proportional to its share or, given
+        the `previous` split's (shares, seconds), as the line through both
+        measurements where that line is well determined (`affine_times`).
+        """
+        if previous is None:
+            rates = [s / t for s, t in zip(shards, seconds, strict=True)]
+            overheads = None
+        else:
+            rates, overheads = affine_times(previous, (shards, seconds))
         log_sds = [math.sqrt(v) for v in log_variances] if log_variances else [0.0] * len(rates)
-        return fastest_shares(rates, log_sds, self.global_batch)
+        return fastest_shares(rates, log_sds, self.global_batch, overheads)
 
     def propose(
         self,
@@ -310,6 +359,7 @@ class Rebalancing:
         self.window = []
         self.window_length = min(1, every)  # steps in the current window
         self.split_steps = []  # device times of the current split's latest steps
+        self.previous_split = None  # (shares, median seconds) of the split before it
         self.last_seconds = None  # the medians of the last full window
         self.resplits = []  # one dict per re-split, for the result
         self.scatter = []  # rows of `window_scatter`, over the windows so far
@@ -337,7 +387,7 @@ class Rebalancing:
         seconds = [statistics.median(column) for column in zip(*self.split_steps)]
         variances = self.log_variances()
         old = list(self.trainer.shards)
-        target = self.rebalancer.target(old, seconds, variances)
+        target = self.rebalancer.target(old, seconds, variances, self.previous_split)
         new = self.rebalancer.move_toward(old, target, first=not self.resplits)
         significant = beyond_noise(
             departures(old, target), variances, len(self.split_steps), self.rebalancer.tolerance
@@ -346,6 +396,7 @@ class Rebalancing:
             return
         self.trainer.set_shards(new)
         self.split_steps = []
+        self.previous_split = (old, seconds)
         noise = [math.sqrt(v) for v in variances] if variances else None
         self.resplits.append(
             {
