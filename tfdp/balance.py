@@ -14,7 +14,10 @@ A device's time is modelled as proportional to its shard. Then the split that
 equalises finishing times gives each device a share proportional to its rate
 (examples per second at the current shares); moving only part of the way
 (damping) and leaving splits alone whose times already agree within a
-tolerance keep measurement noise from making the split oscillate.
+tolerance keep measurement noise from making the split oscillate. Once a
+device has been measured at two splits far enough apart, its time is the
+line through them instead, a fixed cost per step plus a time per example
+(`affine_times`).
 
 Once the devices' step-to-step noise is measured, the target is the split
 with the shortest *expected* step (`fastest_shares`), not equal mean times:
