@@ -44,7 +44,24 @@ def test_auto_powers_land_within_10_percent_of_the_true_ratio(speeds, noise):
     run = simulate(devices(speeds), BATCH, steps=1, powers="auto", noise=noise, seed=1)
     for got, true in zip(relative(run.auto_powers), relative(speeds), strict=True):
         assert got == pytest.approx(true, rel=0.10)
-    assert run.shards[0] == whole_shares(BATCH, run.auto_powers)
+    # Then all devices at once: the training starts from the split settled under load.
+    assert run.shards[0] == run.auto_shards
+
+
+def test_auto_powers_settle_under_load_what_devices_alone_cannot_see():
+    # The fast device shares its resources: the slow device's examples cost it a
+    # quarter of its own. Alone, the devices look 4:1; at once, 3:1 is balanced.
+    shared = [SimulatedDevice(4000.0, shared=1 / 4000.0), SimulatedDevice(1000.0)]
+    run = simulate(shared, BATCH, steps=1, powers="auto")
+    alone = whole_shares(BATCH, run.auto_powers)
+    assert alone == [819, 205]
+
+    def under_load(shards):
+        return [d.seconds(s, 0, others=BATCH - s) for d, s in zip(shared, shards)]
+
+    assert imbalance(under_load(alone)) > 0.2
+    assert run.shards[0] == run.auto_shards
+    assert imbalance(run.seconds[0]) <= 0.05
 
 
 def finishing_spread(run, step):
@@ -218,6 +235,19 @@ def test_auto_then_rebalancing_needs_at_most_one_correction():
     run = simulate(devices([1, 1, 1, 8]), BATCH, steps=100, powers="auto", rebalance_every=5)
     assert len(run.resplits) <= 1
     assert all(finishing_spread(run, step) <= 0.10 for step in range(10, 100))
+
+
+def test_rebalancing_after_auto_powers_carries_on_from_the_probe():
+    # The probe under load measured the split and the noise: one noisy training
+    # step does not throw the split over, as it would at the start of a run.
+    resplits = []
+    for seed in range(8):
+        run = simulate(
+            devices([1, 4]), BATCH, 100, powers="auto", rebalance_every=5, noise=0.10, seed=seed
+        )
+        assert 0 not in run.resplits
+        resplits += run.resplits
+    assert len(resplits) <= 8
 
 
 def test_rebalancer_leaves_a_balanced_split_alone():

@@ -41,7 +41,7 @@ def test_auto_powers_see_a_device_slowed_4x(reduce, images):
     plan = Plan(config, devices, shards, images, images, 2, 2)
     trainer = build_trainer(config, devices, shards)
     lines = []
-    info = set_up_split(plan, trainer, lines.append)
+    info, probe = set_up_split(plan, trainer, lines.append)
     slowed = info["simulated_slowdown"]["CPU:1"]
     assert slowed["factor"] == 4 and slowed["sleep_seconds_per_example"] > 0
     assert list(info["simulated_slowdown"]) == ["CPU:1"]
@@ -51,6 +51,14 @@ def test_auto_powers_see_a_device_slowed_4x(reduce, images):
     assert trainer.shards[0] > trainer.shards[1] and sum(trainer.shards) == 200
     assert lines[0].startswith("SIMULATED SLOWDOWN (for testing")
     assert lines[1].startswith("auto powers, each device alone on 100 examples: CPU:0 ")
+    # Then all devices at once on the global batch, which may re-split.
+    auto = info["auto_powers"]
+    assert auto["shards_alone"][0] > auto["shards_alone"][1]
+    assert lines[-1].startswith("auto powers, all devices at once on 200 examples for 12 probe")
+    assert f"shares {auto['shards_alone']}" in lines[-1]
+    assert len(lines) == 3 + len(auto["probe_resplits"])
+    assert auto["probe_resplits"] == probe.resplits
+    assert auto["powers"] == [s / min(trainer.shards) for s in trainer.shards]
 
 
 def test_no_balancing_options_measure_nothing(images):
@@ -58,10 +66,10 @@ def test_no_balancing_options_measure_nothing(images):
     plan = Plan(config, CPUS[:2], [100, 100], images, images, 2, 2)
     trainer = build_trainer(config, CPUS[:2], [100, 100])
     lines = []
-    assert set_up_split(plan, trainer, lines.append) == {
-        "simulated_slowdown": None,
-        "auto_powers": None,
-    }
+    assert set_up_split(plan, trainer, lines.append) == (
+        {"simulated_slowdown": None, "auto_powers": None},
+        None,
+    )
     assert lines == [] and trainer.shards == [100, 100]
 
 

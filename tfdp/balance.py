@@ -47,6 +47,8 @@ TOLERANCE = 0.05  # shares within 5% of the target (equal times: within 5%) are 
 MIN_MOVE = 0.01  # a re-split that moves less than 1% of the batch is not worth making
 MIN_SCATTER = 8  # steps needed to estimate the step-to-step noise of device times
 MIN_FIT_CHANGE = 0.1  # a device's share must change by 10% to fit its time's overhead
+PROBE_WINDOW = 4  # auto powers under load: probe steps per window ...
+PROBE_WINDOWS = 3  # ... and windows (each may re-split)
 
 
 def powers_from_seconds(examples: int, seconds: Sequence[float]) -> list[float]:
@@ -292,6 +294,33 @@ def measure_powers(trainer, x, y) -> list[float]:
     )
 
 
+def settle_under_load(
+    trainer,
+    x,
+    y,
+    log: Callable[[str], None] = print,
+    window: int = PROBE_WINDOW,
+    windows: int = PROBE_WINDOWS,
+) -> Rebalancing:
+    """Auto powers, second part: all devices at once, as in training.
+
+    Timed alone, a device may have resources to itself that it shares in
+    training (cores, memory bandwidth, the host that feeds a GPU), so the
+    split from `measure_powers` can be off under load. Here every device
+    runs forward and backward on its shard of the global batch (x, y) at the
+    same time, without updating the weights, and `Rebalancing` re-splits
+    after each of `windows` windows of `window` probe steps. One untimed run
+    first, as for the devices alone.
+
+    Returns the `Rebalancing`, whose `resplits` say what changed.
+    """
+    trainer.seconds_together(x, y)
+    rebalancing = Rebalancing(trainer, window, log, first_window=window, unit="probe step")
+    for step in range(window * windows):
+        rebalancing.observe(step, trainer.seconds_together(x, y))
+    return rebalancing
+
+
 def beyond_noise(
     away: Sequence[float],
     log_variances: Sequence[float] | None,
@@ -354,18 +383,39 @@ class Rebalancing:
 
     HISTORY = 4  # windows of the current split that its medians are taken over
 
-    def __init__(self, trainer, every: int, log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        trainer,
+        every: int,
+        log: Callable[[str], None] = print,
+        first_window: int = 1,
+        unit: str = "iteration",
+    ):
         self.trainer = trainer
         self.every = every
         self.log = log
+        self.unit = unit  # what the log calls a step
         self.rebalancer = Rebalancer(trainer.global_batch_size)
         self.window = []
-        self.window_length = min(1, every)  # steps in the current window
+        self.window_length = min(first_window, every)  # steps in the current window
         self.split_steps = []  # device times of the current split's latest steps
         self.previous_split = None  # (shares, median seconds) of the split before it
         self.last_seconds = None  # the medians of the last full window
         self.resplits = []  # one dict per re-split, for the result
         self.scatter = []  # rows of `window_scatter`, over the windows so far
+        self.measured = False  # whether the starting split was measured under load
+
+    def carry_over(self, probe: Rebalancing) -> None:
+        """Starts from what `probe` (`settle_under_load`) measured: its steps at the
+        current split, the split before it and the noise. The current split is
+        then no guess: the first window is as long as the probe's, and the
+        first re-split is damped like any other.
+        """
+        self.split_steps = list(probe.split_steps)
+        self.previous_split = probe.previous_split
+        self.scatter = list(probe.scatter)
+        self.window_length = min(probe.every, self.every) if self.every else 0
+        self.measured = True
 
     def observe(self, iteration: int, device_seconds) -> None:
         """Iteration `iteration` (counted from 0) is done and took `device_seconds`.
@@ -391,7 +441,7 @@ class Rebalancing:
         variances = self.log_variances()
         old = list(self.trainer.shards)
         target = self.rebalancer.target(old, seconds, variances, self.previous_split)
-        new = self.rebalancer.move_toward(old, target, first=not self.resplits)
+        new = self.rebalancer.move_toward(old, target, first=not (self.resplits or self.measured))
         significant = beyond_noise(
             departures(old, target), variances, len(self.split_steps), self.rebalancer.tolerance
         )
@@ -417,7 +467,7 @@ class Rebalancing:
             else f"the fastest expected step at noise {', '.join(f'{n:.0%}' for n in noise)}"
         )
         self.log(
-            f"rebalanced after iteration {iteration}: shares {old} -> {new} "
+            f"rebalanced after {self.unit} {iteration}: shares {old} -> {new} "
             f"(device seconds per step {', '.join(f'{t:.3f}' for t in seconds)}, "
             f"imbalance {imbalance(seconds):.0%}; aiming at {aim})"
         )
@@ -453,21 +503,25 @@ def _read(steps) -> list[list[float]]:
 
 @dataclasses.dataclass(frozen=True)
 class SimulatedDevice:
-    """A device whose step takes `overhead + shard / speed(step)` seconds."""
+    """A device whose step takes `overhead + shard / speed(step)` seconds, plus
+    `shared` seconds per example that the other devices compute at the same
+    time (resources it shares with them, such as cores)."""
 
     speed: float | Callable[[int], float]  # examples per second, or a function of the step
     overhead: float = 0.0  # seconds per step whatever the shard (launches, copies)
+    shared: float = 0.0  # seconds per example of the other devices' shards
 
-    def seconds(self, shard: int, step: int, jitter: float = 1.0) -> float:
+    def seconds(self, shard: int, step: int, jitter: float = 1.0, others: int = 0) -> float:
         speed = self.speed(step) if callable(self.speed) else self.speed
-        return (self.overhead + shard / speed) * jitter
+        return (self.overhead + shard / speed + self.shared * others) * jitter
 
 
 @dataclasses.dataclass
 class Simulation:
     """What `simulate` saw: shares and device times per step, and each re-split."""
 
-    auto_powers: list[float] | None
+    auto_powers: list[float] | None  # measured alone
+    auto_shards: list[int] | None  # after the probe under load
     shards: list[list[int]]  # per step
     seconds: list[list[float]]  # per step, per device
     resplits: list[int]  # steps after which the shares changed
@@ -493,7 +547,8 @@ def simulate(
       devices: the simulated devices.
       global_batch: examples per step.
       steps: training steps to simulate.
-      powers: fixed powers, () for an even split, or "auto" to probe each device.
+      powers: fixed powers, () for an even split, or "auto" to probe each device
+        alone, then all together (`settle_under_load`).
       rebalance_every: re-split in windows of up to K steps (`Rebalancing`); 0: never.
       probe_repeats: timed probe steps per device for "auto" (the median is used).
       noise: relative jitter of every measured time (a seeded lognormal factor).
@@ -504,8 +559,12 @@ def simulate(
     def jitter():
         return math.exp(rng.gauss(0.0, noise)) if noise else 1.0
 
+    def together(shards, step=0):
+        total = sum(shards)
+        return [d.seconds(s, step, jitter(), total - s) for d, s in zip(devices, shards)]
+
     n = len(devices)
-    auto_powers = None
+    auto_powers = auto_shards = None
     if powers == "auto":
         probe = max(1, global_batch // n)
         seconds = [
@@ -513,16 +572,20 @@ def simulate(
             for d in devices
         ]
         auto_powers = powers_from_seconds(probe, seconds)
-        shards = split_batch(global_batch, auto_powers)
+        trainer = _SimulatedTrainer(global_batch, split_batch(global_batch, auto_powers), together)
+        probe = settle_under_load(trainer, None, None, log=lambda line: None)
+        auto_shards = list(trainer.shards)
     else:
         shards = split_batch(global_batch, powers or [1.0] * n)
+        trainer = _SimulatedTrainer(global_batch, shards, together)
 
-    trainer = _SimulatedTrainer(global_batch, shards)
     rebalancing = Rebalancing(trainer, rebalance_every, log=lambda line: None)
-    history = Simulation(auto_powers, [], [], [])
+    if powers == "auto":
+        rebalancing.carry_over(probe)
+    history = Simulation(auto_powers, auto_shards, [], [], [])
     for step in range(steps):
         shards = list(trainer.shards)
-        seconds = [d.seconds(s, step, jitter()) for d, s in zip(devices, shards)]
+        seconds = together(shards, step)
         history.shards.append(shards)
         history.seconds.append(seconds)
         rebalancing.observe(step, seconds)
@@ -533,10 +596,15 @@ def simulate(
 
 @dataclasses.dataclass
 class _SimulatedTrainer:
-    """What `Rebalancing` needs of a trainer: the global batch and settable shares."""
+    """What the balancing needs of a trainer: the global batch, settable shares and
+    device times under load, here from the cost model (`together(shards)`)."""
 
     global_batch_size: int
     shards: list[int]
+    together: Callable[[list[int]], list[float]]
 
     def set_shards(self, shards) -> None:
         self.shards = list(shards)
+
+    def seconds_together(self, x, y) -> list[float]:
+        return self.together(self.shards)

@@ -6,7 +6,7 @@ slowdown (`--slowdown=cpu:1=4`, the default there). Rows:
 
   even split          what tf.distribute would do
   static a:b          the tutorial's way: powers guessed once (the nominal factor)
-  auto                --powers=auto: each device timed alone, then fixed
+  auto                --powers=auto: each device timed alone, then all together; then fixed
   auto, allreduce     the same shares on MirroredStrategy replicas
   dynamic             an even start, rebalanced in windows of up to 5 steps (--rebalance_every=5)
   auto + dynamic      both
@@ -144,19 +144,22 @@ def _powers(value):
 
 def measure(spec: MixedSpec, config, trainer, arrays, job: dict) -> dict:
     """From the initial weights and the spec's starting split: warm up, then time."""
-    from tfdp.balance import Rebalancing, measure_powers, whole_shares
+    from tfdp.balance import Rebalancing, measure_powers, settle_under_load, whole_shares
     from tfdp.observe import CpuAccounting
     from tfdp.data import first_examples, train_dataset
     from tfdp.devices import split_batch
     from tfdp.models import initial_weights
 
     batch = config.batch_size
-    probe_seconds, powers = 0.0, None
+    probe_seconds, powers, alone_shards = 0.0, None, None
     if spec.powers == "auto":
         start = time.perf_counter()
         x, y = first_examples(arrays, batch // len(trainer.devices))
         powers = measure_powers(trainer, x, y)
-        start_shards = whole_shares(batch, powers)
+        alone_shards = whole_shares(batch, powers)
+        trainer.set_shards(alone_shards)
+        probe = settle_under_load(trainer, *first_examples(arrays, batch), log=lambda line: None)
+        start_shards = list(trainer.shards)
         probe_seconds = time.perf_counter() - start
     else:
         start_shards = split_batch(batch, spec.powers)
@@ -174,6 +177,8 @@ def measure(spec: MixedSpec, config, trainer, arrays, job: dict) -> dict:
     trainer.set_weights(initial_weights(config.model, config.init, config.seed))
     trainer.set_shards(start_shards)
     rebalancing = Rebalancing(trainer, spec.rebalance_every, log=lambda line: None)
+    if spec.powers == "auto":
+        rebalancing.carry_over(probe)
     accounting = CpuAccounting()
     start = time.perf_counter()
     run(job["iterations"], rebalancing)
@@ -186,6 +191,7 @@ def measure(spec: MixedSpec, config, trainer, arrays, job: dict) -> dict:
         "final_shards": list(trainer.shards),
         "resplits": len(rebalancing.resplits),
         "auto_powers": powers,
+        "auto_shards_alone": alone_shards,
         "probe_seconds": probe_seconds,
         "device_seconds": rebalancing.seconds(),
     }

@@ -98,6 +98,7 @@ class MirroredTrainer:
         self._train_step = tf.function(self._step)
         self._eval_step = tf.function(self._correct, reduce_retracing=True)
         self._seconds_alone = tf.function(self._alone)
+        self._seconds_together = tf.function(self._together)
 
     def distribute(self, dataset):
         """The iterator `train_step` reads."""
@@ -160,6 +161,16 @@ class MirroredTrainer:
     def seconds_alone(self, x, y, index: int) -> float:
         """Replica `index`'s seconds for forward and backward on (x, y), the others idle."""
         return float(self._seconds_alone(x, y, index))
+
+    def seconds_together(self, x, y):
+        """Each replica's seconds for forward and backward on its shard of the global
+        batch (x, y), all replicas at once as in a step, without an update."""
+        return self._seconds_together(x, y)
+
+    def _together(self, x, y):
+        x, y = self._split(x), self._split(y)
+        seconds = self.strategy.run(lambda x, y: self._timed_gradients(x, y)[2], args=(x, y))
+        return tf.stack(self.strategy.experimental_local_results(seconds))
 
     def _alone(self, x, y, index):
         # The other replicas get empty shards: the same program, no work.

@@ -220,17 +220,21 @@ def build_trainer(config: Config, devices: list[str], shards: list[int]):
 def set_up_split(
     plan: Plan, trainer, log: Callable[[str], None] = print, measure: bool = True
 ) -> dict:
-    """The simulated slowdown and auto powers; both time each device alone, before training.
+    """The simulated slowdown and auto powers, before training. The slowdown is
+    calibrated on each device alone; auto powers time each device alone, then
+    all of them at once (`balance.settle_under_load`).
 
     With `measure` False, auto powers are not measured (a resumed run has its split).
-    Returns what was set up, for the result.
+    Returns what was set up, for the result, and the probe under load (None
+    without auto powers), from which rebalancing carries on.
     """
     config = plan.config
     info = {"simulated_slowdown": None, "auto_powers": None}
     slowdown = parse_slowdown(config.simulate_slowdown)
     measure = measure and config.powers == AUTO
+    settled = None
     if not slowdown and not measure:
-        return info
+        return info, settled
     probe = max(1, config.batch_size // len(plan.devices))  # an even share
     x, y = data_lib.first_examples(plan.train_data, probe)
     names = [short_name(d) for d in plan.devices]
@@ -252,19 +256,30 @@ def set_up_split(
         )
     if measure:
         rates = balance.measure_powers(trainer, x, y)
-        shards = balance.whole_shares(config.batch_size, rates)
-        trainer.set_shards(shards)
-        info["auto_powers"] = {
-            "devices": names,
-            "images_per_second": rates,
-            "powers": [r / min(rates) for r in rates],
-            "probe_examples": probe,
-        }
+        alone = balance.whole_shares(config.batch_size, rates)
         log(
             f"auto powers, each device alone on {probe} examples: "
             + ", ".join(f"{name} {r:.0f} images/s" for name, r in zip(names, rates))
+            + f"; shares {alone}"
         )
-    return info
+        trainer.set_shards(alone)
+        x, y = data_lib.first_examples(plan.train_data, config.batch_size)
+        settled = balance.settle_under_load(trainer, x, y, log)
+        shards = list(trainer.shards)
+        steps = balance.PROBE_WINDOW * balance.PROBE_WINDOWS
+        log(
+            f"auto powers, all devices at once on {config.batch_size} examples for {steps} "
+            f"probe steps: shares {alone}" + (f" -> {shards}" if shards != alone else " kept")
+        )
+        info["auto_powers"] = {
+            "devices": names,
+            "images_per_second": rates,
+            "probe_examples": probe,
+            "shards_alone": alone,
+            "probe_resplits": settled.resplits,
+            "powers": [s / min(shards) for s in shards],
+        }
+    return info, settled
 
 
 def resumed_shares(config: Config, trainer, checkpointer) -> dict | None:
@@ -373,7 +388,7 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
         rebalancing = None
     else:
         resumed = resumed_shares(config, trainer, checkpointer) if start_step else None
-        split_info = set_up_split(plan, trainer, say, measure=resumed is None)
+        split_info, probe = set_up_split(plan, trainer, say, measure=resumed is None)
         split_info["resumed_shares"] = resumed
         if resumed:
             trainer.set_shards(resumed["shards"])
@@ -382,6 +397,8 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
                 f"from {checkpointer.shares_file}"
             )
         rebalancing = balance.Rebalancing(trainer, config.rebalance_every, say)
+        if probe:
+            rebalancing.carry_over(probe)
     shards = list(trainer.shards)
     say(f"workload partition: {[(short_name(d), n) for d, n in zip(plan.devices, shards)]}")
     say(banner(plan, start_step, shards))

@@ -60,6 +60,7 @@ class WeightedTrainer:
         self._train_step = tf.function(self._step)
         self._eval_step = tf.function(self._correct, reduce_retracing=True)
         self._seconds_alone = tf.function(self._alone)
+        self._seconds_together = tf.function(self._together)
 
     def distribute(self, dataset):
         """The iterator `train_step` reads: global batches, on the host."""
@@ -71,17 +72,7 @@ class WeightedTrainer:
 
     def _step(self, iterator):
         x, y = next(iterator)
-        gradients, metrics, seconds = [], [], []
-        for i, (device, model, x_shard, y_shard) in enumerate(
-            zip(self.devices, self.models, self._split(x), self._split(y))
-        ):
-            with tf.device(device):
-                shard_gradients, shard_metrics, shard_seconds = timed_replica_gradients(
-                    model, x_shard, y_shard, self.global_batch_size, self._delay(i)
-                )
-            gradients.append(shard_gradients)
-            metrics.append(shard_metrics)
-            seconds.append(shard_seconds)
+        gradients, metrics, seconds = self._shard_gradients(x, y)
         master = self.models[0]
         with tf.device(self.devices[0]):
             summed = [tf.add_n(list(per_device)) for per_device in zip(*gradients)]
@@ -89,6 +80,23 @@ class WeightedTrainer:
             metrics = add_metrics(metrics)
         self.sync_copies()
         return {**metrics, "device_seconds": tf.stack(seconds)}
+
+    def _shard_gradients(self, x, y):
+        """Every device's forward and backward on its shard of (x, y), side by side.
+
+        Returns per-device lists: (gradients, metrics, seconds).
+        """
+        per_device = []
+        for i, (device, model, x_shard, y_shard) in enumerate(
+            zip(self.devices, self.models, self._split(x), self._split(y))
+        ):
+            with tf.device(device):
+                per_device.append(
+                    timed_replica_gradients(
+                        model, x_shard, y_shard, self.global_batch_size, self._delay(i)
+                    )
+                )
+        return tuple(list(column) for column in zip(*per_device))
 
     def _split(self, tensor):
         """A global batch -> one shard per device, of the current sizes."""
@@ -113,6 +121,14 @@ class WeightedTrainer:
     def seconds_alone(self, x, y, index: int) -> float:
         """Device `index`'s seconds for forward and backward on (x, y), the others idle."""
         return float(self._seconds_alone(x, y, index))
+
+    def seconds_together(self, x, y):
+        """Each device's seconds for forward and backward on its shard of the global
+        batch (x, y), all devices at once as in a step, without an update."""
+        return self._seconds_together(x, y)
+
+    def _together(self, x, y):
+        return tf.stack(self._shard_gradients(x, y)[2])
 
     def _alone(self, x, y, index):
         with tf.device(self.devices[index]):
