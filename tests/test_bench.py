@@ -160,4 +160,9 @@ def test_mixed_suite_smoke(tmp_path):
     assert rows["auto"]["start_shards"][1] < 32 and rows["auto"]["probe_seconds"] > 0
     measured = [r for r in records if not r.get("summary")]
     assert all(r["delays"][0] == 0 and r["delays"][1] > 0 for r in measured)
+    # The second half of the iterations is timed on its own too (3 of 6 here).
+    for r in measured:
+        assert 0 < 3 * 64 / r["images_per_second_second_half"] < r["seconds"]
+    assert all(row["vs_best_sweep_second_half"] > 0 for row in rows.values())
+    assert "| second half vs best |" in process.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

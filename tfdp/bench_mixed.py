@@ -165,12 +165,18 @@ def measure(spec: MixedSpec, config, trainer, arrays, job: dict) -> dict:
         start_shards = split_batch(batch, spec.powers)
 
     def run(iterations, rebalancing=None):
+        """Returns the clock when the second half of the iterations began."""
         iterator = trainer.distribute(train_dataset(arrays, batch, config.seed))
+        middle = None
         for i in range(iterations):
+            if i and i == iterations // 2:
+                float(metrics["loss_sum"])  # wait for the first half
+                middle = time.perf_counter()
             metrics = trainer.train_step(iterator)
             if rebalancing:
                 rebalancing.observe(i, metrics["device_seconds"])
         float(metrics["loss_sum"])  # wait for the last step
+        return middle
 
     trainer.set_shards(start_shards)
     run(job["warmup"])  # also warms the kernels for these shard shapes
@@ -181,12 +187,15 @@ def measure(spec: MixedSpec, config, trainer, arrays, job: dict) -> dict:
         rebalancing.carry_over(probe)
     accounting = CpuAccounting()
     start = time.perf_counter()
-    run(job["iterations"], rebalancing)
-    seconds = time.perf_counter() - start
+    middle = run(job["iterations"], rebalancing) or start  # one iteration: no halves
+    end = time.perf_counter()
+    seconds = end - start
+    second_half = job["iterations"] - job["iterations"] // 2 if middle != start else 1
     return {
         **accounting.stop(),
         "seconds": seconds,
         "images_per_second": job["iterations"] * batch / seconds,
+        "images_per_second_second_half": second_half * batch / (end - middle),
         "start_shards": start_shards,
         "final_shards": list(trainer.shards),
         "resplits": len(rebalancing.resplits),
@@ -207,10 +216,9 @@ def summarize(specs, measurements) -> list[dict]:
     swept = [s.name for s in specs if s.name.startswith("share ")]
     best = max(swept, key=median.get) if swept else None
 
-    def ratio_to(name, other):
+    def ratio_to(name, other, key="images_per_second"):
         return statistics.median(
-            m["images_per_second"] / o["images_per_second"]
-            for m, o in zip(measurements[name], measurements[other])
+            m[key] / o[key] for m, o in zip(measurements[name], measurements[other])
         )
 
     rows = []
@@ -230,6 +238,9 @@ def summarize(specs, measurements) -> list[dict]:
                 "images_per_second_max": max(rates),
                 "vs_even": ratio_to(spec.name, "even split"),
                 "vs_best_sweep": ratio_to(spec.name, best) if best else None,
+                "vs_best_sweep_second_half": (
+                    ratio_to(spec.name, best, "images_per_second_second_half") if best else None
+                ),
                 "best_sweep": best,
                 "probe_seconds": statistics.median(m["probe_seconds"] for m in runs),
                 "rounds": len(runs),
@@ -245,15 +256,19 @@ def format_table(rows) -> str:
 
     lines = [
         "| configuration | shares (start -> end of the last round) | images/s (min-max) "
-        "| vs even split | vs best swept split | probe s |",
-        "|" + " --- |" * 6,
+        "| vs even split | vs best swept split | second half vs best | probe s |",
+        "|" + " --- |" * 7,
     ]
     for r in rows:
-        best = "-" if r["vs_best_sweep"] is None else f"{r['vs_best_sweep']:.2f}"
+        best, half = (
+            ("-", "-")
+            if r["vs_best_sweep"] is None
+            else (f"{r['vs_best_sweep']:.2f}", f"{r['vs_best_sweep_second_half']:.2f}")
+        )
         lines.append(
             f"| {r['configuration']} | {shares(r)} | {r['images_per_second']:.0f} "
             f"({r['images_per_second_min']:.0f}-{r['images_per_second_max']:.0f}) "
-            f"| {r['vs_even']:.2f} | {best} | {r['probe_seconds']:.1f} |"
+            f"| {r['vs_even']:.2f} | {best} | {half} | {r['probe_seconds']:.1f} |"
         )
     return "\n".join(lines)
 
