@@ -141,7 +141,7 @@ def test_mixed_suite_smoke(tmp_path):
             "--warmup=1",
             "--batch_size=64",
             "--sweep=16",
-            "--only=auto,dynamic (every 5)",
+            "--only=auto,dynamic (every 5),share 16",
             f"--json={jsonl}",
             f"--plot={png}",
         ],
@@ -153,7 +153,7 @@ def test_mixed_suite_smoke(tmp_path):
     assert "SIMULATED slowdown cpu:1=4" in process.stdout.splitlines()[0]
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
     rows = {r["configuration"]: r for r in records if r.get("summary")}
-    assert list(rows) == ["even split", "auto", "dynamic (every 5)"]
+    assert list(rows) == ["even split", "auto", "dynamic (every 5)", "share 16"]
     assert rows["even split"]["vs_even"] == 1.0
     assert rows["even split"]["start_shards"] == [32, 32]
     # The slowed device is measured slower, so auto gives it less.
@@ -163,6 +163,7 @@ def test_mixed_suite_smoke(tmp_path):
     # The second half of the iterations is timed on its own too (3 of 6 here).
     for r in measured:
         assert 0 < 3 * 64 / r["images_per_second_second_half"] < r["seconds"]
+    assert rows["share 16"]["vs_best_sweep_second_half"] == 1.0
     assert all(row["vs_best_sweep_second_half"] > 0 for row in rows.values())
     assert "| second half vs best |" in process.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
