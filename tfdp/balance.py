@@ -4,7 +4,9 @@ The tutorial asks for each device's power and keeps the split fixed. Here:
 
   * auto powers: each device, alone, runs a few forward and backward passes on
     a probe shard; its power is the examples per second it managed
-    (`powers_from_seconds`). The partition follows from `split_batch`.
+    (`powers_from_seconds`), and the powers give a first split. Then all
+    devices run at once on their shares of a global batch, and the split
+    is corrected under load (`settle_under_load`).
   * rebalancing: during training every step measures how long each device
     took for its shard; at the end of each window of K steps (shorter at the
     start of a run) the `Rebalancer` moves the shares part of the way toward
