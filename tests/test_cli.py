@@ -2,10 +2,14 @@
 
 import gzip
 import json
+import os
 import struct
 
 import pytest
 from conftest import own_stderr_lines, tfdp
+
+from tfdp import Config
+from tfdp.devices import default_intra_op_threads
 
 TOY_RUN = [
     "--mode=weighted",
@@ -37,6 +41,23 @@ def test_toy_run_writes_result_json(tmp_path):
     assert result["seconds"] > 0 and result["images_per_second"] > 0
     # The printed accuracy is the recorded one.
     assert f"iteration 40, accuracy {result['log'][-1]['accuracy']:f}" in process.stdout
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--mode=mirrored", "--logical_cpus=4"], None),  # tfdp's choice for this machine
+        (["--mode=mirrored", "--logical_cpus=4", "--intra_op_threads=3"], 3),
+        (["--mode=mirrored", "--logical_cpus=4", "--intra_op_threads=0"], 0),
+    ],
+)
+def test_intra_op_threads_reach_tensorflow(args, expected, tmp_path):
+    if expected is None:
+        expected = default_intra_op_threads(Config(mode="mirrored"), 4, 0, os.cpu_count() or 1)
+    path = tmp_path / "result.json"
+    process = tfdp("--model=toy", "--iterations=2", *args, f"--result_json={path}")
+    assert process.returncode == 0, process.stderr
+    assert json.loads(path.read_text())["intra_op_threads"] == expected
 
 
 def test_flagfile(tmp_path):
@@ -130,6 +151,7 @@ BAD_FLAGS = [
     ),
     (["--model=toy", "--mode=weighted", "--powers=auto,1"], "--powers=auto,1"),
     (["--logical_cpus=-1"], "--logical_cpus=-1"),
+    (["--model=toy", "--intra_op_threads=-1"], "--intra_op_threads=-1"),
     (["--mnist_dir=/no/such/dir"], "--mnist_dir=/no/such/dir"),
     (["--model=toy", "--result_json=/no/such/dir/result.json"], "--result_json=/no/such/dir"),
     (["--model=toy", "--epochs=2", "--iterations=5"], "--epochs=2"),

@@ -2,7 +2,14 @@ import pytest
 from conftest import CPUS, NUM_LOGICAL_CPUS
 
 from tfdp import ConfigError, configure_logical_devices
-from tfdp.devices import available_devices, canonical_name, parse_devices
+from tfdp import Config
+from tfdp.devices import (
+    available_devices,
+    canonical_name,
+    check_intra_op_threads,
+    default_intra_op_threads,
+    parse_devices,
+)
 
 MACHINE = ["/device:CPU:0", "/device:GPU:0", "/device:GPU:1"]
 
@@ -59,3 +66,41 @@ def test_logical_cpus_cannot_change_after_start():
 def test_logical_gpus_need_a_gpu():
     with pytest.raises(ConfigError, match="needs a GPU"):
         configure_logical_devices(logical_gpus=2)
+
+
+EVEN_OVER_FOUR = dict(logical_cpus=4, gpus=0, cores=2)
+
+
+@pytest.mark.parametrize(
+    "config, machine, threads",
+    [
+        # an even split over more logical CPUs than cores: one thread per kernel
+        (Config(mode="mirrored"), EVEN_OVER_FOUR, 1),
+        (Config(mode="weighted"), EVEN_OVER_FOUR, 1),
+        (Config(mode="weighted", powers=(2, 2, 2, 2)), EVEN_OVER_FOUR, 1),
+        (Config(mode="mirrored", devices="cpu:0,cpu:1,cpu:2"), EVEN_OVER_FOUR, 1),
+        (Config(mode="mirrored", devices="all"), EVEN_OVER_FOUR, 1),
+        # no more replicas than cores: every kernel may use every core
+        (Config(mode="mirrored"), dict(logical_cpus=2, gpus=0, cores=2), 0),
+        (Config(mode="mirrored"), dict(logical_cpus=4, gpus=0, cores=4), 0),
+        (Config(mode="mirrored", devices="cpu:0,cpu:1"), EVEN_OVER_FOUR, 0),
+        (Config(mode="single"), EVEN_OVER_FOUR, 0),
+        # an uneven or changing split: the device with more work needs the cores
+        (Config(mode="weighted", powers=(1, 3, 1, 1)), EVEN_OVER_FOUR, 0),
+        (Config(mode="weighted", powers="auto"), EVEN_OVER_FOUR, 0),
+        (Config(mode="weighted", rebalance_every=5), EVEN_OVER_FOUR, 0),
+        (Config(mode="weighted", simulate_slowdown="cpu:1=4"), EVEN_OVER_FOUR, 0),
+        # GPUs, or a CPU beside them
+        (Config(mode="mirrored"), dict(logical_cpus=4, gpus=2, cores=2), 0),
+        (Config(mode="mirrored", devices="cpu:0,cpu:1,cpu:2,gpu:0"), EVEN_OVER_FOUR, 0),
+        (Config(mode="multiworker"), EVEN_OVER_FOUR, 0),
+    ],
+)
+def test_default_intra_op_threads(config, machine, threads):
+    assert default_intra_op_threads(config, **machine) == threads
+
+
+@pytest.mark.parametrize("threads", [-1, True, 1.5])
+def test_bad_intra_op_threads_are_named(threads):
+    with pytest.raises(ConfigError, match="intra_op_threads"):
+        check_intra_op_threads(threads)

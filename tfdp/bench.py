@@ -155,7 +155,7 @@ def measure_matmul(n: int = 2048, repeats: int = 10) -> dict:
 
 def measure_tfdp(spec: Spec, job: dict) -> dict:
     from tfdp import Config
-    from tfdp.devices import short_name
+    from tfdp.devices import default_intra_op_threads, set_intra_op_threads, short_name
     from tfdp.training import build_trainer, partition
 
     devices = device_names(job["kind"], spec.devices)
@@ -165,6 +165,8 @@ def measure_tfdp(spec: Spec, job: dict) -> dict:
         powers=spec.powers,
         batch_size=job["batch_size"],
     )
+    # as the tfdp command would choose (the Keras rows keep TensorFlow's default)
+    set_intra_op_threads(default_intra_op_threads(config, 0, 0, os.cpu_count() or 1))
     shards = partition(config, devices)
     arrays = load_arrays(job["synthetic"], job["mnist_dir"])
     return time_tutorial_run(build_trainer(config, devices, shards), config, arrays, job)
@@ -297,7 +299,14 @@ def run_worker(job: dict) -> dict:
     result = measure(spec, job)
     result["images_per_second"] = job["iterations"] * job["batch_size"] / result["seconds"]
     result["onednn"] = onednn.enabled()
+    result["intra_op_threads"] = tf_intra_op_threads()
     return result
+
+
+def tf_intra_op_threads() -> int:
+    import tensorflow as tf
+
+    return tf.config.threading.get_intra_op_parallelism_threads()
 
 
 # ---------------------------------------------------------------- the parent

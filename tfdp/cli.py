@@ -31,9 +31,12 @@ from tfdp.config import (  # noqa: E402
     Config,
 )
 from tfdp.devices import (  # noqa: E402
+    check_intra_op_threads,
     configure_logical_devices,
+    default_intra_op_threads,
     parse_slowdown,
     reserve_sleeping_threads,
+    set_intra_op_threads,
 )
 from tfdp.errors import ConfigError  # noqa: E402
 
@@ -66,6 +69,12 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_integer(
     "logical_gpus", 0, "Split GPU 0 into N logical devices (0: keep GPUs as they are)."
+)
+flags.DEFINE_integer(
+    "intra_op_threads",
+    None,
+    "Threads one CPU kernel may use; 0: TensorFlow's default, every core. Default: 1 when each "
+    "batch is split evenly over more logical CPUs than there are cores, else 0.",
 )
 flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size, "Global batch size, over all devices.")
 flags.DEFINE_integer(
@@ -247,6 +256,8 @@ def main(argv: list[str]) -> None:
     try:
         config = config_from_flags()
         check_writable("result_json", FLAGS.result_json)
+        if FLAGS.intra_op_threads is not None:
+            check_intra_op_threads(FLAGS.intra_op_threads)
         reserve_sleeping_threads(len(parse_slowdown(config.simulate_slowdown)))
         if config.mode == "multiworker":
             from tfdp.multiworker import read_cluster
@@ -260,6 +271,7 @@ def main(argv: list[str]) -> None:
                 "use logical CPUs; start more workers instead (tfdp-launch --workers=N)",
             )
         configure_logical_devices(FLAGS.logical_cpus, FLAGS.logical_gpus)
+        set_intra_op_threads(_intra_op_threads(config))
         from tfdp import training  # imports TensorFlow: after the checks that need none
 
         plan = training.prepare(config)
@@ -279,6 +291,16 @@ def main(argv: list[str]) -> None:
         _fail(multiworker.describe_failure(error, config), status=1)
     if FLAGS.result_json and result.get("chief", True):  # multiworker: the chief writes it
         write_json(FLAGS.result_json, result)
+
+
+def _intra_op_threads(config: Config) -> int:
+    """`--intra_op_threads`, or tfdp's choice for the run when it is not given."""
+    if FLAGS.intra_op_threads is not None:
+        return FLAGS.intra_op_threads
+    import tensorflow as tf
+
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    return default_intra_op_threads(config, FLAGS.logical_cpus, gpus, os.cpu_count() or 1)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

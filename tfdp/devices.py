@@ -185,6 +185,60 @@ def _canonical_logical_name(name: str) -> str:
     return "/device:" + name.rsplit("device:", 1)[-1]
 
 
+def default_intra_op_threads(config, logical_cpus: int, gpus: int, cores: int) -> int:
+    """The threads one CPU kernel may use that tfdp picks for a run; 0: TensorFlow's default.
+
+    1 when every global batch is split evenly over more logical CPUs than the
+    machine has cores (`mirrored`, or `weighted` with equal, fixed powers):
+    the replicas' kernels then keep every core busy by running side by side,
+    and a kernel that also splits its own work over all cores only adds
+    hand-offs between threads. Otherwise 0, TensorFlow's default, under which
+    a kernel may use every core: a lone device needs them, and so does a CPU
+    beside a GPU, or a device with the larger share of an uneven split.
+
+    Args:
+        config: the run's Config.
+        logical_cpus: the `--logical_cpus` the run asked for (0: the CPU whole).
+        gpus: how many GPUs the machine has.
+        cores: how many cores the machine has.
+    """
+    from tfdp.config import AUTO
+
+    even = config.mode == "mirrored" or (
+        config.mode == "weighted"
+        and config.powers != AUTO
+        and len(set(config.powers)) <= 1
+        and not config.rebalance_every
+        and not config.simulate_slowdown
+    )
+    if not even:
+        return 0
+    spec = config.devices.strip()
+    if not spec or spec.lower() == "all":
+        cpus = 0 if gpus else max(logical_cpus, 1)
+    else:
+        devices = [canonical_name(item) for item in spec.split(",")]
+        cpus = len(devices) if all(":CPU:" in d for d in devices) else 0
+    return 1 if cpus > cores else 0
+
+
+def check_intra_op_threads(threads: int) -> None:
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ConfigError("intra_op_threads", threads, "must be 0 (TensorFlow's default) or more")
+
+
+def set_intra_op_threads(threads: int) -> None:
+    """Lets each CPU kernel use `threads` threads (0: TensorFlow's default, every core).
+
+    Must run before TensorFlow initialises its runtime.
+    """
+    check_intra_op_threads(threads)
+    if threads:
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+
+
 def reserve_sleeping_threads(count: int) -> None:
     """Gives TensorFlow's inter-op thread pool `count` threads more than it has cores.
 

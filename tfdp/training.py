@@ -516,6 +516,8 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
         "model_dir": config.model_dir,
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
         "onednn": onednn.enabled(),
+        # threads one CPU kernel may use; 0: TensorFlow's default, every core
+        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
     }
     if config.mode == "multiworker":
         result.update(trainer.worker_info())  # this worker: name, chief, examples per step
