@@ -24,7 +24,9 @@ def bench_steps(variant, mnist_dir):
     )
 
 
-@pytest.mark.parametrize("variant", ["clocks", "loop10"])
+@pytest.mark.parametrize(
+    "variant", ["clocks", "loop10", "xla_update", "micro256", "halves", "channels_first"]
+)
 def test_variant_reports_its_speed(variant, mnist_dir):
     process = bench_steps(variant, mnist_dir)
     assert process.returncode == 0, process.stderr[-3000:]
@@ -61,3 +63,25 @@ def test_profile_reports_time_per_kernel(mnist_dir, tmp_path):
     assert any("Conv2D" in name for name in kernels), kernels
     assert all(ms > 0 for ms in kernels.values())
     assert list(tmp_path.rglob("*.xplane.pb"))  # the trace stays for TensorBoard
+
+
+@pytest.mark.parametrize("pieces, side_by_side", [(2, True), (4, False)])
+def test_micro_batches_sum_to_the_whole_batch(pieces, side_by_side):
+    import tensorflow as tf
+
+    from tfdp.bench_steps import micro_batch_gradients
+    from tfdp.data import synthetic_mnist
+    from tfdp.models import build_model
+    from tfdp.steps import replica_gradients
+
+    arrays = synthetic_mnist(num_examples=64)
+    x = tf.constant(arrays.images / 255.0, tf.float32)
+    y = tf.constant(arrays.labels, tf.int32)
+    model = build_model("lenet")
+    whole, whole_metrics = tf.function(replica_gradients)(model, x, y, 64)
+    parts, metrics = tf.function(micro_batch_gradients)(model, x, y, 64, pieces, side_by_side)
+    for a, b in zip(whole, parts):
+        assert float(tf.reduce_max(tf.abs(a))) > 1e-4  # not vacuous
+        assert float(tf.reduce_max(tf.abs(a - b))) <= 1e-5 * float(tf.reduce_max(tf.abs(a)))
+    assert float(metrics["correct"]) == float(whole_metrics["correct"])
+    assert abs(float(metrics["loss_sum"]) - float(whole_metrics["loss_sum"])) < 1e-3

@@ -4,7 +4,7 @@ The table in BUILD_NOTES ("The other things tried") comes from this: LeNet,
 batch 1024, one variant per process, warm-up first, then `--iterations` timed
 steps. Run the variants interleaved, one process each:
 
-  for round in 1 2; do for v in bare clocks loop10 inter_op1 fit; do
+  for round in 1 2; do for v in bare clocks loop10 inter_op1 xla_update micro256 halves channels_first fit; do
     python -m tfdp.bench_steps --variant=$v --mnist_dir=../shared/data/mnist
   done; done
 
@@ -38,6 +38,10 @@ VARIANTS = {
     "loop10": "10 steps per tf.function call, in a tf.range loop",
     "inter_op1": "the bare step with inter_op_parallelism_threads=1",
     "xla": "the bare step with jit_compile=True",
+    "xla_update": "jit_compile=True on forward, backward and SGD; the input read outside it",
+    "micro256": "4 micro-batches of 256 per step, one after another (a tf.range loop), gradients summed",
+    "halves": "2 micro-batches of 512 per step, side by side (independent ops), gradients summed",
+    "channels_first": "the bare step on an NCHW copy of LeNet (Keras data_format='channels_first')",
     "fit": "Keras model.fit on the same model, data and batch",
 }
 
@@ -65,17 +69,28 @@ def main(argv) -> None:
     dataset = train_dataset(arrays, batch, 0)
     model = build_model("lenet")
     model.set_weights(initial_weights("lenet"))
+    if variant == "channels_first":
+        model = channels_first_lenet(model)
     optimizer = keras.optimizers.SGD(0.1)
     optimizer.build(model.trainable_variables)
 
-    def step(iterator):
-        x, y = next(iterator)
+    def update(x, y):
         if variant == "clocks":
             gradients, metrics, _ = timed_replica_gradients(model, x, y, batch)
+        elif variant == "micro256":
+            gradients, metrics = micro_batch_gradients(model, x, y, batch, 4, side_by_side=False)
+        elif variant == "halves":
+            gradients, metrics = micro_batch_gradients(model, x, y, batch, 2, side_by_side=True)
         else:
             gradients, metrics = replica_gradients(model, x, y, batch)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
         return metrics
+
+    if variant == "xla_update":
+        update = tf.function(update, jit_compile=True)
+
+    def step(iterator):
+        return update(*next(iterator))
 
     steps_per_call = 10 if variant == "loop10" else 1
 
@@ -120,6 +135,51 @@ def main(argv) -> None:
         top = sorted(totals.items(), key=lambda item: -item[1])[: FLAGS.top_kernels]
         result["kernel_ms_per_step"] = {k: round(1000 * s / FLAGS.iterations, 2) for k, s in top}
     print(json.dumps(result))
+
+
+def micro_batch_gradients(model, x, y, global_batch_size, pieces, side_by_side):
+    """`replica_gradients` of `pieces` equal micro-batches of (x, y), summed.
+
+    side_by_side: the micro-batches' ops are independent, and TensorFlow may
+    run them at the same time; else they run one after another (a tf.range loop).
+    """
+    import tensorflow as tf
+
+    from tfdp.steps import add_metrics, replica_gradients
+
+    if side_by_side:
+        parts = [
+            replica_gradients(model, xp, yp, global_batch_size)
+            for xp, yp in zip(tf.split(x, pieces), tf.split(y, pieces))
+        ]
+        gradients = [tf.add_n(list(g)) for g in zip(*[g for g, _ in parts])]
+        return gradients, add_metrics([m for _, m in parts])
+    xs = tf.reshape(x, [pieces, -1, *x.shape[1:]])
+    ys = tf.reshape(y, [pieces, -1])
+    gradients = [tf.zeros_like(v) for v in model.trainable_variables]
+    metrics = {"loss_sum": tf.constant(0.0), "correct": tf.constant(0.0)}
+    for i in tf.range(pieces):
+        part, shard = replica_gradients(model, xs[i], ys[i], global_batch_size)
+        gradients = [g + p for g, p in zip(gradients, part)]
+        metrics = {key: metrics[key] + shard[key] for key in metrics}
+    return gradients, metrics
+
+
+def channels_first_lenet(model):
+    """A copy of `model` (LeNet) that keeps its feature maps as NCHW."""
+    import keras
+
+    copy = keras.Sequential(
+        [keras.Input((28, 28, 1)), keras.layers.Permute((3, 1, 2))]
+        + [
+            layer.__class__.from_config({**layer.get_config(), "data_format": "channels_first"})
+            if "data_format" in layer.get_config()
+            else layer.__class__.from_config(layer.get_config())
+            for layer in model.layers
+        ]
+    )
+    copy.set_weights(model.get_weights())  # same shapes; only the flattening order differs
+    return copy
 
 
 @contextlib.contextmanager
