@@ -69,10 +69,9 @@ def test_profile_reports_time_per_kernel(mnist_dir, tmp_path):
 def test_micro_batches_sum_to_the_whole_batch(pieces, side_by_side):
     import tensorflow as tf
 
-    from tfdp.bench_steps import micro_batch_gradients
     from tfdp.data import synthetic_mnist
     from tfdp.models import build_model
-    from tfdp.steps import replica_gradients
+    from tfdp.steps import micro_batch_gradients, replica_gradients
 
     arrays = synthetic_mnist(num_examples=64)
     x = tf.constant(arrays.images / 255.0, tf.float32)

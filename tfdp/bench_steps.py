@@ -60,7 +60,7 @@ def main(argv) -> None:
 
     from tfdp.data import load_mnist, train_dataset
     from tfdp.models import build_model, initial_weights
-    from tfdp.steps import replica_gradients, timed_replica_gradients
+    from tfdp.steps import micro_batch_gradients, replica_gradients, timed_replica_gradients
 
     variant, batch = FLAGS.variant, 1024
     if variant == "inter_op1":
@@ -135,34 +135,6 @@ def main(argv) -> None:
         top = sorted(totals.items(), key=lambda item: -item[1])[: FLAGS.top_kernels]
         result["kernel_ms_per_step"] = {k: round(1000 * s / FLAGS.iterations, 2) for k, s in top}
     print(json.dumps(result))
-
-
-def micro_batch_gradients(model, x, y, global_batch_size, pieces, side_by_side):
-    """`replica_gradients` of `pieces` equal micro-batches of (x, y), summed.
-
-    side_by_side: the micro-batches' ops are independent, and TensorFlow may
-    run them at the same time; else they run one after another (a tf.range loop).
-    """
-    import tensorflow as tf
-
-    from tfdp.steps import add_metrics, replica_gradients
-
-    if side_by_side:
-        parts = [
-            replica_gradients(model, xp, yp, global_batch_size)
-            for xp, yp in zip(tf.split(x, pieces), tf.split(y, pieces))
-        ]
-        gradients = [tf.add_n(list(g)) for g in zip(*[g for g, _ in parts])]
-        return gradients, add_metrics([m for _, m in parts])
-    xs = tf.reshape(x, [pieces, -1, *x.shape[1:]])
-    ys = tf.reshape(y, [pieces, -1])
-    gradients = [tf.zeros_like(v) for v in model.trainable_variables]
-    metrics = {"loss_sum": tf.constant(0.0), "correct": tf.constant(0.0)}
-    for i in tf.range(pieces):
-        part, shard = replica_gradients(model, xs[i], ys[i], global_batch_size)
-        gradients = [g + p for g, p in zip(gradients, part)]
-        metrics = {key: metrics[key] + shard[key] for key in metrics}
-    return gradients, metrics
 
 
 def channels_first_lenet(model):

@@ -41,6 +41,33 @@ def add_metrics(per_shard):
     return {key: tf.add_n([m[key] for m in per_shard]) for key in per_shard[0]}
 
 
+def micro_batch_gradients(model, x, y, global_batch_size, pieces, side_by_side):
+    """`replica_gradients` of `pieces` equal micro-batches of (x, y), summed.
+
+    The batch must divide into `pieces`. The sum is the whole batch's gradient,
+    to float rounding.
+
+    side_by_side: the micro-batches' ops are independent, and TensorFlow may
+    run them at the same time; else they run one after another (a tf.range loop).
+    """
+    if side_by_side:
+        parts = [
+            replica_gradients(model, xp, yp, global_batch_size)
+            for xp, yp in zip(tf.split(x, pieces), tf.split(y, pieces))
+        ]
+        gradients = [tf.add_n(list(g)) for g in zip(*[g for g, _ in parts])]
+        return gradients, add_metrics([m for _, m in parts])
+    xs = tf.reshape(x, [pieces, -1, *x.shape[1:]])
+    ys = tf.reshape(y, [pieces, -1])
+    gradients = [tf.zeros_like(v) for v in model.trainable_variables]
+    metrics = {"loss_sum": tf.constant(0.0), "correct": tf.constant(0.0)}
+    for i in tf.range(pieces):
+        part, shard = replica_gradients(model, xs[i], ys[i], global_batch_size)
+        gradients = [g + p for g, p in zip(gradients, part)]
+        metrics = {key: metrics[key] + shard[key] for key in metrics}
+    return gradients, metrics
+
+
 def replica_correct(model, x, y):
     """Number of correct predictions on one shard, in inference mode."""
     predictions = tf.argmax(model(x, training=False), axis=-1, output_type=y.dtype)
