@@ -9,7 +9,7 @@ import pytest
 from conftest import own_stderr_lines, tfdp
 
 from tfdp import Config
-from tfdp.devices import default_intra_op_threads
+from tfdp.devices import default_chains, default_intra_op_threads
 
 TOY_RUN = [
     "--mode=weighted",
@@ -44,20 +44,33 @@ def test_toy_run_writes_result_json(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "args, expected",
+    "args, expected, chains",
     [
-        (["--mode=mirrored", "--logical_cpus=4"], None),  # tfdp's choice for this machine
-        (["--mode=mirrored", "--logical_cpus=4", "--intra_op_threads=3"], 3),
-        (["--mode=mirrored", "--logical_cpus=4", "--intra_op_threads=0"], 0),
+        # tfdp's choices for this machine
+        (["--mode=mirrored", "--logical_cpus=4"], None, None),
+        (["--mode=single"], None, None),
+        # the user's
+        (["--mode=mirrored", "--logical_cpus=4", "--intra_op_threads=3"], 3, None),
+        (["--mode=mirrored", "--logical_cpus=4", "--intra_op_threads=0"], 0, None),
+        (["--mode=single", "--chains=3"], None, 3),
     ],
 )
-def test_intra_op_threads_reach_tensorflow(args, expected, tmp_path):
+def test_threads_and_chains_reach_tensorflow(args, expected, chains, tmp_path):
+    mode = args[0].split("=")[1]
+    logical_cpus = 4 if "--logical_cpus=4" in args else 0
+    config = Config(mode=mode, chains=chains or 0)
+    cores = os.cpu_count() or 1
     if expected is None:
-        expected = default_intra_op_threads(Config(mode="mirrored"), 4, 0, os.cpu_count() or 1)
+        expected = default_intra_op_threads(config, logical_cpus, 0, cores)
+    if chains is None:
+        devices = [f"/device:CPU:{i}" for i in range(logical_cpus if mode == "mirrored" else 1)]
+        chains = default_chains(devices, cores)
     path = tmp_path / "result.json"
     process = tfdp("--model=toy", "--iterations=2", *args, f"--result_json={path}")
     assert process.returncode == 0, process.stderr
-    assert json.loads(path.read_text())["intra_op_threads"] == expected
+    result = json.loads(path.read_text())
+    assert result["intra_op_threads"] == expected
+    assert result["chains"] == chains
 
 
 def test_flagfile(tmp_path):
@@ -152,6 +165,8 @@ BAD_FLAGS = [
     (["--model=toy", "--mode=weighted", "--powers=auto,1"], "--powers=auto,1"),
     (["--logical_cpus=-1"], "--logical_cpus=-1"),
     (["--model=toy", "--intra_op_threads=-1"], "--intra_op_threads=-1"),
+    (["--model=toy", "--chains=-2"], "--chains=-2"),
+    (["--mode=multiworker", "--chains=2"], "--chains=2"),
     (["--mnist_dir=/no/such/dir"], "--mnist_dir=/no/such/dir"),
     (["--model=toy", "--result_json=/no/such/dir/result.json"], "--result_json=/no/such/dir"),
     (["--model=toy", "--epochs=2", "--iterations=5"], "--epochs=2"),

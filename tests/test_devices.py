@@ -7,6 +7,7 @@ from tfdp.devices import (
     available_devices,
     canonical_name,
     check_intra_op_threads,
+    default_chains,
     default_intra_op_threads,
     parse_devices,
 )
@@ -84,7 +85,13 @@ EVEN_OVER_FOUR = dict(logical_cpus=4, gpus=0, cores=2)
         (Config(mode="mirrored"), dict(logical_cpus=2, gpus=0, cores=2), 0),
         (Config(mode="mirrored"), dict(logical_cpus=4, gpus=0, cores=4), 0),
         (Config(mode="mirrored", devices="cpu:0,cpu:1"), EVEN_OVER_FOUR, 0),
-        (Config(mode="single"), EVEN_OVER_FOUR, 0),
+        # one CPU device cutting its shard into chains, one per core
+        (Config(mode="single"), EVEN_OVER_FOUR, 1),
+        (Config(mode="single", devices="cpu:2"), dict(logical_cpus=0, gpus=0, cores=8), 1),
+        (Config(mode="mirrored", chains=2), dict(logical_cpus=2, gpus=0, cores=2), 1),
+        (Config(mode="single"), dict(logical_cpus=0, gpus=0, cores=1), 0),
+        (Config(mode="single", chains=1), EVEN_OVER_FOUR, 0),
+        (Config(mode="single"), dict(logical_cpus=0, gpus=1, cores=2), 0),
         # an uneven or changing split: the device with more work needs the cores
         (Config(mode="weighted", powers=(1, 3, 1, 1)), EVEN_OVER_FOUR, 0),
         (Config(mode="weighted", powers="auto"), EVEN_OVER_FOUR, 0),
@@ -98,6 +105,22 @@ EVEN_OVER_FOUR = dict(logical_cpus=4, gpus=0, cores=2)
 )
 def test_default_intra_op_threads(config, machine, threads):
     assert default_intra_op_threads(config, **machine) == threads
+
+
+@pytest.mark.parametrize(
+    "devices, cores, chains",
+    [
+        (["/device:CPU:0"], 2, 2),
+        (["/device:CPU:0"], 1, 1),
+        (["/device:CPU:0", "/device:CPU:1"], 2, 1),
+        (["/device:CPU:0", "/device:CPU:1", "/device:CPU:2", "/device:CPU:3"], 2, 1),
+        (["/device:CPU:0", "/device:CPU:1"], 8, 4),
+        (["/device:GPU:0"], 8, 1),
+        (["/device:CPU:0", "/device:GPU:0"], 8, 1),
+    ],
+)
+def test_default_chains(devices, cores, chains):
+    assert default_chains(devices, cores) == chains
 
 
 @pytest.mark.parametrize("threads", [-1, True, 1.5])

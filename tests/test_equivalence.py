@@ -40,7 +40,10 @@ def train_steps(mode, devices, powers, steps, images, **options):
 
 @pytest.fixture(scope="module")
 def reference(images):
-    return {steps: train_steps("single", CPUS[:1], (), steps, images) for steps in (1, 3)}
+    # the plain algorithm: one device, its batch as one chain of kernels
+    return {
+        steps: train_steps("single", CPUS[:1], (), steps, images, chains=1) for steps in (1, 3)
+    }
 
 
 CASES = [
@@ -55,6 +58,12 @@ CASES = [
     ("weighted", CPUS[:2], (1, 5), {"reduce": "allreduce"}),
     ("weighted", CPUS[:4], (3, 1, 1, 1), {"reduce": "allreduce"}),
     ("weighted", CPUS[:2], (1, 5), {"simulate_slowdown": "cpu:1=2"}),  # delays still 0
+    # shards cut into side-by-side chains (steps.replica_gradients)
+    ("single", CPUS[:1], (), {"chains": 2}),
+    ("single", CPUS[:1], (), {"chains": 3}),  # 100 = 34 + 33 + 33
+    ("mirrored", CPUS[:3], (), {"chains": 2}),
+    ("weighted", CPUS[:2], (1, 99), {"chains": 3}),  # cpu:0's 1 example leaves 2 chains empty
+    ("weighted", CPUS[:2], (1, 5), {"chains": 2, "reduce": "allreduce"}),
 ]
 
 

@@ -169,7 +169,8 @@ def measure_tfdp(spec: Spec, job: dict) -> dict:
     set_intra_op_threads(default_intra_op_threads(config, 0, 0, os.cpu_count() or 1))
     shards = partition(config, devices)
     arrays = load_arrays(job["synthetic"], job["mnist_dir"])
-    return time_tutorial_run(build_trainer(config, devices, shards), config, arrays, job)
+    trainer = build_trainer(config, devices, shards)
+    return {**time_tutorial_run(trainer, config, arrays, job), "chains": trainer.chains}
 
 
 def measure_multiworker(spec: Spec, job: dict) -> dict:

@@ -76,6 +76,12 @@ flags.DEFINE_integer(
     "Threads one CPU kernel may use; 0: TensorFlow's default, every core. Default: 1 when each "
     "batch is split evenly over more logical CPUs than there are cores, else 0.",
 )
+flags.DEFINE_integer(
+    "chains",
+    _DEFAULTS.chains,
+    "Side-by-side parts each device cuts its shard into, their gradients summed; 0: tfdp's "
+    "choice (on CPUs only: the cores each CPU device has, at least 1).",
+)
 flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size, "Global batch size, over all devices.")
 flags.DEFINE_integer(
     "iterations", None, f"Training steps (default {DEFAULT_ITERATIONS}, as the tutorial)."
@@ -223,6 +229,7 @@ def config_from_flags() -> Config:
         reduce=FLAGS.reduce,
         rebalance_every=FLAGS.rebalance_every,
         simulate_slowdown=FLAGS.simulate_slowdown,
+        chains=FLAGS.chains,
         collective=FLAGS.collective,
         collective_timeout=FLAGS.collective_timeout,
         progress={"always": True, "never": False}.get(FLAGS.progress, sys.stderr.isatty()),

@@ -58,6 +58,7 @@ class Config:
     rebalance_every: int = (
         0  # weighted: re-split the batch by times measured over windows of K steps; 0: never
     )
+    chains: int = 0  # side-by-side parts each device cuts its shard into; 0: devices.default_chains
     simulate_slowdown: str = ""  # testing only: 'cpu:1=4' makes cpu:1 4x slower (sleeps)
     collective: str = (
         "auto"  # multiworker: auto | ring | nccl (CommunicationOptions.implementation)
@@ -128,6 +129,10 @@ def validate(config: Config) -> None:
         raise ConfigError("rebalance_every", config.rebalance_every, "must be an integer")
     if config.rebalance_every < 0:
         raise ConfigError("rebalance_every", config.rebalance_every, "must be 0 (never) or more")
+    if isinstance(config.chains, bool) or not isinstance(config.chains, int) or config.chains < 0:
+        raise ConfigError("chains", config.chains, "must be 0 (tfdp's choice) or more")
+    if config.chains and config.mode == "multiworker":
+        raise ConfigError("chains", config.chains, "applies to modes single, mirrored and weighted")
     if config.powers and config.mode not in ("weighted", "multiworker"):
         raise ConfigError(
             "powers",

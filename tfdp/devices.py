@@ -188,13 +188,15 @@ def _canonical_logical_name(name: str) -> str:
 def default_intra_op_threads(config, logical_cpus: int, gpus: int, cores: int) -> int:
     """The threads one CPU kernel may use that tfdp picks for a run; 0: TensorFlow's default.
 
-    1 when every global batch is split evenly over more logical CPUs than the
-    machine has cores (`mirrored`, or `weighted` with equal, fixed powers):
-    the replicas' kernels then keep every core busy by running side by side,
-    and a kernel that also splits its own work over all cores only adds
-    hand-offs between threads. Otherwise 0, TensorFlow's default, under which
-    a kernel may use every core: a lone device needs them, and so does a CPU
-    beside a GPU, or a device with the larger share of an uneven split.
+    1 when every global batch is split evenly over CPU devices (`single`,
+    `mirrored`, or `weighted` with equal, fixed powers) and independent
+    chains of kernels already keep every core busy: there are more devices
+    than cores, or each device cuts its shard into several chains
+    (`default_chains`). A kernel that also splits its own work over all
+    cores then only adds hand-offs between threads. Otherwise 0,
+    TensorFlow's default, under which a kernel may use every core: a CPU
+    beside a GPU needs them, and so does a device with the larger share of
+    an uneven split.
 
     Args:
         config: the run's Config.
@@ -204,7 +206,7 @@ def default_intra_op_threads(config, logical_cpus: int, gpus: int, cores: int) -
     """
     from tfdp.config import AUTO
 
-    even = config.mode == "mirrored" or (
+    even = config.mode in ("single", "mirrored") or (
         config.mode == "weighted"
         and config.powers != AUTO
         and len(set(config.powers)) <= 1
@@ -214,12 +216,31 @@ def default_intra_op_threads(config, logical_cpus: int, gpus: int, cores: int) -
     if not even:
         return 0
     spec = config.devices.strip()
-    if not spec or spec.lower() == "all":
+    if config.mode == "single" and not spec:
+        cpus = 0 if gpus else 1
+    elif not spec or spec.lower() == "all":
         cpus = 0 if gpus else max(logical_cpus, 1)
     else:
         devices = [canonical_name(item) for item in spec.split(",")]
         cpus = len(devices) if all(":CPU:" in d for d in devices) else 0
-    return 1 if cpus > cores else 0
+    if not cpus:
+        return 0
+    chains = config.chains or max(1, cores // cpus)
+    return 1 if cpus > cores or chains > 1 else 0
+
+
+def default_chains(devices: list[str], cores: int) -> int:
+    """How many side-by-side parts each device cuts its shard into, when not chosen.
+
+    On CPUs only: the machine's cores over the CPU devices, at least 1. A lone
+    CPU device on 2 cores runs its shard as 2 independent chains of
+    one-threaded kernels (with `default_intra_op_threads`), which fills both
+    cores better than one chain of kernels that each split their work over
+    both. With a GPU in the run: 1.
+    """
+    if any(":CPU:" not in d for d in devices):
+        return 1
+    return max(1, cores // len(devices))
 
 
 def check_intra_op_threads(threads: int) -> None:

@@ -57,6 +57,7 @@ class MirroredTrainer:
         input="split",
         shards=None,
         slowdown=False,
+        chains=1,
     ):
         """
         Args:
@@ -73,8 +74,11 @@ class MirroredTrainer:
           shards: with input "split", examples per replica, uneven if need be
             (the weighted split over all-reduce); None: near-equal.
           slowdown: build the simulated slowdown in (delays set by `set_delays`).
+          chains: how many side-by-side parts each replica cuts its shard into
+            (`steps.replica_gradients`).
         """
         self.devices = list(devices)
+        self.chains = chains
         self.global_batch_size = global_batch_size
         self.input = input
         n = len(self.devices)
@@ -143,7 +147,7 @@ class MirroredTrainer:
         if self.delays is not None:
             replica = tf.distribute.get_replica_context().replica_id_in_sync_group
             delay = tf.gather(self.delays, replica)
-        return timed_replica_gradients(self.model, x, y, self.global_batch_size, delay)
+        return timed_replica_gradients(self.model, x, y, self.global_batch_size, delay, self.chains)
 
     def set_shards(self, shards) -> None:
         """Splits the following batches as `shards` (same global batch)."""

@@ -21,6 +21,7 @@ from tfdp.checkpoints import Checkpointer, check_model_dir, export_model, write_
 from tfdp.config import AUTO, DEFAULT_ITERATIONS, Config
 from tfdp.devices import (
     available_devices,
+    default_chains,
     even_split,
     parse_devices,
     parse_slowdown,
@@ -189,6 +190,7 @@ def build_trainer(config: Config, devices: list[str], shards: list[int]):
 
         return multiworker.build(config, shards, make_model, weights)
     slowdown = bool(config.simulate_slowdown)
+    chains = config.chains or default_chains(devices, os.cpu_count() or 1)
     if config.mode == "mirrored":
         return MirroredTrainer(
             make_model,
@@ -199,6 +201,7 @@ def build_trainer(config: Config, devices: list[str], shards: list[int]):
             all_reduce=config.all_reduce,
             input=config.mirrored_input,
             slowdown=slowdown,
+            chains=chains,
         )
     if config.reduce == "allreduce":  # weighted shards, MirroredStrategy replicas
         return MirroredTrainer(
@@ -210,10 +213,11 @@ def build_trainer(config: Config, devices: list[str], shards: list[int]):
             all_reduce=config.all_reduce,
             shards=shards,
             slowdown=slowdown,
+            chains=chains,
         )
     # single is the weighted algorithm on one device: no split, no copies.
     return WeightedTrainer(
-        make_model, weights, devices, shards, config.learning_rate, slowdown=slowdown
+        make_model, weights, devices, shards, config.learning_rate, slowdown=slowdown, chains=chains
     )
 
 
@@ -518,6 +522,7 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
         "onednn": onednn.enabled(),
         # threads one CPU kernel may use; 0: TensorFlow's default, every core
         "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
+        "chains": getattr(trainer, "chains", 1),
     }
     if config.mode == "multiworker":
         result.update(trainer.worker_info())  # this worker: name, chief, examples per step

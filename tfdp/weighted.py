@@ -28,7 +28,9 @@ from tfdp.steps import add_metrics, replica_correct, timed_replica_gradients
 class WeightedTrainer:
     """Data-parallel SGD over devices of any kinds, with uneven shards."""
 
-    def __init__(self, make_model, weights, devices, shards, learning_rate, slowdown=False):
+    def __init__(
+        self, make_model, weights, devices, shards, learning_rate, slowdown=False, chains=1
+    ):
         """
         Args:
           make_model: builds one fresh model copy.
@@ -37,9 +39,12 @@ class WeightedTrainer:
           shards: examples per device; they sum to the global batch.
           learning_rate: plain SGD step size.
           slowdown: build the simulated slowdown in (delays set by `set_delays`).
+          chains: how many side-by-side parts each device cuts its shard into
+            (`steps.replica_gradients`).
         """
         self.devices = list(devices)
         self.shards = list(shards)
+        self.chains = chains
         self.global_batch_size = sum(shards)
         with tf.device("/cpu:0"):  # the batch is split on the host
             self.shard_sizes = tf.Variable(shards, dtype=tf.int32, trainable=False)
@@ -93,7 +98,12 @@ class WeightedTrainer:
             with tf.device(device):
                 per_device.append(
                     timed_replica_gradients(
-                        model, x_shard, y_shard, self.global_batch_size, self._delay(i)
+                        model,
+                        x_shard,
+                        y_shard,
+                        self.global_batch_size,
+                        self._delay(i),
+                        self.chains,
                     )
                 )
         return tuple(list(column) for column in zip(*per_device))
@@ -133,7 +143,12 @@ class WeightedTrainer:
     def _alone(self, x, y, index):
         with tf.device(self.devices[index]):
             _, _, seconds = timed_replica_gradients(
-                self.models[index], x, y, self.global_batch_size, self._delay(index)
+                self.models[index],
+                x,
+                y,
+                self.global_batch_size,
+                self._delay(index),
+                self.chains,
             )
         return seconds
 
