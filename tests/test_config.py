@@ -47,6 +47,10 @@ def test_dataset_follows_the_model():
         (dict(mode="mirrored", powers=(1, 5)), "powers"),
         (dict(mode="weighted", powers=(1, 0)), "powers"),
         (dict(mode="weighted", powers=(1, math.nan)), "powers"),
+        (dict(chains=-1), "chains"),
+        (dict(chains=1.5), "chains"),
+        (dict(chains=True), "chains"),
+        (dict(mode="multiworker", chains=2), "chains"),
     ],
 )
 def test_bad_settings_name_their_field(changes, field):
