@@ -105,8 +105,37 @@ def test_windows_grow_from_one_step_to_every():
     trainer = StubTrainer()
     rebalancing = Rebalancing(trainer, every=5, log=lambda line: None)
     for iteration in range(21):
-        rebalancing.observe(iteration, [1.0, 4.0])  # always imbalanced: every window re-splits
-    assert [r["iteration"] for r in rebalancing.resplits] == [0, 2, 6, 11, 16]
+        # The device with more examples is 4x slower: every window re-splits.
+        more = trainer.shards.index(max(trainer.shards))
+        rebalancing.observe(iteration, [4.0 if device == more else 1.0 for device in (0, 1)])
+    assert [r["iteration"] for r in rebalancing.resplits] == [0, 1, 3, 7, 12, 17]
+
+
+def test_a_move_that_fell_short_is_followed_all_the_way():
+    # Device 0 shares its cores with device 1, whose examples cost it a third of
+    # a millisecond each. At an even start device 0 looks slow, and its time
+    # even falls as its share grows, so every move by the proportional model
+    # leaves device 1 too many examples.
+    def seconds(shards):
+        fast, slow = shards
+        return [fast / 6200 + slow / 3000, 0.043 + slow / 1064]
+
+    equal = next(
+        s for s in range(1, 512) if seconds([BATCH - s, s])[1] >= seconds([BATCH - s, s])[0]
+    )
+    trainer = StubTrainer()
+    rebalancing = Rebalancing(trainer, every=5, log=lambda line: None)
+    for iteration in range(8):
+        rebalancing.observe(iteration, seconds(trainer.shards))
+    slow_shares = [512] + [r["new"][1] for r in rebalancing.resplits]
+    assert slow_shares[1] == pytest.approx(333, abs=2)  # the first move, 70 examples short
+    # Each window after a move finds device 1 still late, and goes all the way:
+    # windows of 1, 1, 2 and 4 steps, and within 6% of equal times after 8 steps
+    # (damped moves would still be 35% above it).
+    assert [r["iteration"] for r in rebalancing.resplits] == [0, 1, 3, 7]
+    assert all(r["all_the_way"] for r in rebalancing.resplits)
+    assert slow_shares == sorted(slow_shares, reverse=True)  # no overshoot
+    assert trainer.shards[1] == pytest.approx(equal, rel=0.06)
 
 
 def test_rebalancing_beats_the_even_split_by_the_expected_margin():

@@ -242,8 +242,9 @@ class Rebalancer:
     ) -> list[int]:
         """New shares, given each device's compute seconds per step at `shards`.
 
-        The `first` re-split of a run goes all the way: its starting split was
-        a guess, and there is no earlier measurement to weigh against.
+        With `first`, the move goes all the way: the first re-split of a run,
+        whose starting split was a guess, has no earlier measurement to weigh
+        against (`Rebalancing` also goes all the way after a move fell short).
 
         Returns `shards` unchanged when they are within the tolerance of the
         target (for equal finishing times: the times agree within it), or
@@ -369,9 +370,14 @@ def window_scatter(window: Sequence[Sequence[float]], medians: Sequence[float]):
 class Rebalancing:
     """Watches each device's seconds per step and re-splits at the end of each window.
 
-    Windows are `every` steps long, except the first ones of a run: 1, 2, 4,
-    ... steps, up to `every`. The starting split is a guess (or a measurement
-    of each device alone), and the first steps under load correct it most.
+    Windows are `every` steps long, except the first ones of a run: 1, 1, 2,
+    4, ... steps, up to `every`. The starting split is a guess (or a
+    measurement of each device alone), and the first steps under load
+    correct it most. The first re-split goes all the way to its target, and
+    so does one right after a move that fell short (the window after a
+    re-split finds every moved device's target on the far side of its new
+    share): damping guards against overshooting, and that move did not
+    overshoot.
     Later, a split is judged on the median times of all its steps so far (up
     to the last `HISTORY` windows): the longer a split stands, the finer the
     difference that can be told from noise. A window re-splits only if its
@@ -406,6 +412,8 @@ class Rebalancing:
         self.resplits = []  # one dict per re-split, for the result
         self.scatter = []  # rows of `window_scatter`, over the windows so far
         self.measured = False  # whether the starting split was measured under load
+        self.windows = 0  # full windows so far
+        self.last_move = None  # per device: +1, -1 or 0, how the last re-split moved its share
 
     def carry_over(self, probe: Rebalancing) -> None:
         """Starts from what `probe` (`settle_under_load`) measured: its steps at the
@@ -417,6 +425,7 @@ class Rebalancing:
         self.previous_split = probe.previous_split
         self.scatter = list(probe.scatter)
         self.window_length = min(probe.every, self.every) if self.every else 0
+        self.last_move = probe.last_move
         self.measured = True
 
     def observe(self, iteration: int, device_seconds) -> None:
@@ -437,19 +446,27 @@ class Rebalancing:
             self.scatter += window_scatter(self.window, self.last_seconds)
         self.split_steps = (self.split_steps + self.window)[-self.HISTORY * self.every :]
         self.window = []
-        self.window_length = min(2 * self.window_length, self.every)
+        self.windows += 1
+        if self.windows > 1 or self.measured:  # after a guessed start: 1, 1, 2, 4, ...
+            self.window_length = min(2 * self.window_length, self.every)
 
         seconds = [statistics.median(column) for column in zip(*self.split_steps)]
         variances = self.log_variances()
         old = list(self.trainer.shards)
         target = self.rebalancer.target(old, seconds, variances, self.previous_split)
-        new = self.rebalancer.move_toward(old, target, first=not (self.resplits or self.measured))
+        fell_short = self.last_move is not None and all(
+            _sign(t - s) == m for s, t, m in zip(old, target, self.last_move) if m
+        )
+        all_the_way = fell_short or not (self.resplits or self.measured)
+        new = self.rebalancer.move_toward(old, target, first=all_the_way)
         significant = beyond_noise(
             departures(old, target), variances, len(self.split_steps), self.rebalancer.tolerance
         )
         if new == old or not significant:
+            self.last_move = None  # the split held: a later move starts afresh
             return
         self.trainer.set_shards(new)
+        self.last_move = [_sign(n - o) for o, n in zip(old, new)]
         self.split_steps = []
         self.previous_split = (old, seconds)
         noise = [math.sqrt(v) for v in variances] if variances else None
@@ -460,6 +477,7 @@ class Rebalancing:
                 "new": new,
                 "seconds": seconds,
                 "target": [round(t, 1) for t in target],
+                "all_the_way": all_the_way,
                 "log_sd": noise,
             }
         )
@@ -471,7 +489,8 @@ class Rebalancing:
         self.log(
             f"rebalanced after {self.unit} {iteration}: shares {old} -> {new} "
             f"(device seconds per step {', '.join(f'{t:.3f}' for t in seconds)}, "
-            f"imbalance {imbalance(seconds):.0%}; aiming at {aim})"
+            f"imbalance {imbalance(seconds):.0%}; aiming at {aim}"
+            f"{', all the way' if all_the_way else ''})"
         )
 
     def log_variances(self) -> list[float] | None:
@@ -493,6 +512,10 @@ class Rebalancing:
         if not self.window:
             return self.last_seconds
         return [statistics.median(column) for column in zip(*_read(self.window))]
+
+
+def _sign(x: float) -> int:
+    return (x > 0) - (x < 0)
 
 
 def _read(steps) -> list[list[float]]:
