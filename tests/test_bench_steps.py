@@ -25,7 +25,8 @@ def bench_steps(variant, mnist_dir):
 
 
 @pytest.mark.parametrize(
-    "variant", ["clocks", "loop10", "xla_update", "micro256", "halves", "channels_first"]
+    "variant",
+    ["clocks", "loop10", "xla_update", "micro256", "halves", "channels_first", "pool_first"],
 )
 def test_variant_reports_its_speed(variant, mnist_dir):
     process = bench_steps(variant, mnist_dir)
@@ -84,3 +85,29 @@ def test_micro_batches_sum_to_the_whole_batch(pieces, side_by_side):
         assert float(tf.reduce_max(tf.abs(a - b))) <= 1e-5 * float(tf.reduce_max(tf.abs(a)))
     assert float(metrics["correct"]) == float(whole_metrics["correct"])
     assert abs(float(metrics["loss_sum"]) - float(whole_metrics["loss_sum"])) < 1e-3
+
+
+def test_pooling_before_tanh_is_the_same_network():
+    import tensorflow as tf
+
+    from tfdp.bench_steps import pool_first_lenet
+    from tfdp.data import synthetic_mnist
+    from tfdp.models import build_model
+    from tfdp.steps import replica_gradients
+
+    arrays = synthetic_mnist(num_examples=64)
+    x = tf.constant(arrays.images / 255.0, tf.float32)
+    y = tf.constant(arrays.labels, tf.int32)
+    model = build_model("lenet")
+    copy = pool_first_lenet(model)
+    names = [layer.__class__.__name__ for layer in copy.layers]
+    assert names[:6] == ["Conv2D", "MaxPooling2D", "Activation"] * 2
+    assert [layer.get_config().get("activation") for layer in copy.layers[:3]] == [
+        "linear",
+        None,
+        "tanh",
+    ]
+    assert float(tf.reduce_max(tf.abs(model(x) - copy(x)))) <= 1e-5
+    for a, b in zip(replica_gradients(model, x, y, 64)[0], replica_gradients(copy, x, y, 64)[0]):
+        assert float(tf.reduce_max(tf.abs(a))) > 1e-4  # not vacuous
+        assert float(tf.reduce_max(tf.abs(a - b))) <= 1e-4 * float(tf.reduce_max(tf.abs(a)))

@@ -42,6 +42,7 @@ VARIANTS = {
     "micro256": "4 micro-batches of 256 per step, one after another (a tf.range loop), gradients summed",
     "halves": "2 micro-batches of 512 per step, side by side (independent ops), gradients summed",
     "channels_first": "the bare step on an NCHW copy of LeNet (Keras data_format='channels_first')",
+    "pool_first": "halves, on a copy of LeNet with each max-pooling before its tanh (the same function)",
     "fit": "Keras model.fit on the same model, data and batch",
 }
 
@@ -71,6 +72,8 @@ def main(argv) -> None:
     model.set_weights(initial_weights("lenet"))
     if variant == "channels_first":
         model = channels_first_lenet(model)
+    if variant == "pool_first":
+        model = pool_first_lenet(model)
     optimizer = keras.optimizers.SGD(0.1)
     optimizer.build(model.trainable_variables)
 
@@ -79,7 +82,7 @@ def main(argv) -> None:
             gradients, metrics, _ = timed_replica_gradients(model, x, y, batch)
         elif variant == "micro256":
             gradients, metrics = micro_batch_gradients(model, x, y, batch, 4, side_by_side=False)
-        elif variant == "halves":
+        elif variant in ("halves", "pool_first"):
             gradients, metrics = micro_batch_gradients(model, x, y, batch, 2, side_by_side=True)
         else:
             gradients, metrics = replica_gradients(model, x, y, batch)
@@ -151,6 +154,29 @@ def channels_first_lenet(model):
         ]
     )
     copy.set_weights(model.get_weights())  # same shapes; only the flattening order differs
+    return copy
+
+
+def pool_first_lenet(model):
+    """A copy of `model` (LeNet) with each convolution's tanh after its max-pooling.
+
+    tanh is increasing, so max(tanh(a), tanh(b)) = tanh(max(a, b)): the same
+    function, with tanh and its gradient on a quarter of the values.
+    """
+    import keras
+
+    layers = []
+    for layer in model.layers:
+        config = layer.get_config()
+        if isinstance(layer, keras.layers.Conv2D):
+            activation = config["activation"]
+            layers.append(layer.__class__.from_config({**config, "activation": "linear"}))
+        else:
+            layers.append(layer.__class__.from_config(config))
+            if isinstance(layer, keras.layers.MaxPooling2D):
+                layers.append(keras.layers.Activation(activation))
+    copy = keras.Sequential([keras.Input((28, 28, 1))] + layers)
+    copy.set_weights(model.get_weights())
     return copy
 
 
