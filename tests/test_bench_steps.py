@@ -90,9 +90,8 @@ def test_micro_batches_sum_to_the_whole_batch(pieces, side_by_side):
 def test_pooling_before_tanh_is_the_same_network():
     import tensorflow as tf
 
-    from tfdp.bench_steps import pool_first_lenet
     from tfdp.data import synthetic_mnist
-    from tfdp.models import build_model
+    from tfdp.models import build_model, pool_first_lenet
     from tfdp.steps import replica_gradients
 
     arrays = synthetic_mnist(num_examples=64)

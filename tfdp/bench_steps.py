@@ -60,7 +60,7 @@ def main(argv) -> None:
     import tensorflow as tf
 
     from tfdp.data import load_mnist, train_dataset
-    from tfdp.models import build_model, initial_weights
+    from tfdp.models import build_model, initial_weights, pool_first_lenet
     from tfdp.steps import micro_batch_gradients, replica_gradients, timed_replica_gradients
 
     variant, batch = FLAGS.variant, 1024
@@ -154,29 +154,6 @@ def channels_first_lenet(model):
         ]
     )
     copy.set_weights(model.get_weights())  # same shapes; only the flattening order differs
-    return copy
-
-
-def pool_first_lenet(model):
-    """A copy of `model` (LeNet) with each convolution's tanh after its max-pooling.
-
-    tanh is increasing, so max(tanh(a), tanh(b)) = tanh(max(a, b)): the same
-    function, with tanh and its gradient on a quarter of the values.
-    """
-    import keras
-
-    layers = []
-    for layer in model.layers:
-        config = layer.get_config()
-        if isinstance(layer, keras.layers.Conv2D):
-            activation = config["activation"]
-            layers.append(layer.__class__.from_config({**config, "activation": "linear"}))
-        else:
-            layers.append(layer.__class__.from_config(config))
-            if isinstance(layer, keras.layers.MaxPooling2D):
-                layers.append(keras.layers.Activation(activation))
-    copy = keras.Sequential([keras.Input((28, 28, 1))] + layers)
-    copy.set_weights(model.get_weights())
     return copy
 
 
