@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from tfdp.bench import FORWARD_FLOPS, LENET_FORWARD_MACS, TRAIN_FLOPS, configurations
+from tfdp.bench import configurations
+from tfdp.flops import FORWARD_FLOPS, LENET_FORWARD_MACS, TRAIN_FLOPS
 from tfdp.models import build_model
 
 

@@ -60,10 +60,19 @@ def test_profile_reports_time_per_kernel(mnist_dir, tmp_path):
         timeout=600,
     )
     assert process.returncode == 0, process.stderr[-3000:]
-    kernels = json.loads(process.stdout.strip().splitlines()[-1])["kernel_ms_per_step"]
+    result = json.loads(process.stdout.strip().splitlines()[-1])
+    kernels = result["kernel_ms_per_step"]
     assert any("Conv2D" in name for name in kernels), kernels
     assert all(ms > 0 for ms in kernels.values())
     assert list(tmp_path.rglob("*.xplane.pb"))  # the trace stays for TensorBoard
+    bound = result["if_only_arithmetic"]
+    arithmetic = sum(ms for name, ms in kernels.items() if "Conv2D" in name or "MatMul" in name)
+    assert bound["conv_and_matmul_ms_per_step"] == pytest.approx(arithmetic, abs=0.1)
+    assert bound["conv_and_matmul_ms_per_step"] < bound["all_kernels_ms_per_step"]
+    assert bound["bound_step_ms"] == pytest.approx(
+        bound["conv_and_matmul_ms_per_step"] / bound["cores"], rel=1e-3
+    )
+    assert bound["speedup"] == pytest.approx(bound["step_ms"] / bound["bound_step_ms"], rel=1e-2)
 
 
 @pytest.mark.parametrize("pieces, side_by_side", [(2, True), (4, False)])

@@ -28,6 +28,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app, flags  # noqa: E402
 
 from tfdp import onednn  # noqa: E402
+from tfdp.flops import FORWARD_FLOPS, TRAIN_FLOPS  # noqa: E402
 from tfdp.observe import CpuAccounting  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -73,16 +74,6 @@ flags.DEFINE_list(
     "sweep", ["96", "128", "160", "192", "256"], "mixed: static shares of the slow device."
 )
 flags.DEFINE_string("worker", None, "Internal: measure one configuration given as JSON.")
-
-# LeNet-5 on a 28x28 image, multiply-adds of each layer's forward pass.
-LENET_FORWARD_MACS = (
-    24 * 24 * 20 * 5 * 5 * 1  # conv1: 24x24 outputs x 20 filters x 5x5x1
-    + 8 * 8 * 50 * 5 * 5 * 20  # conv2: 8x8 outputs x 50 filters x 5x5x20
-    + 800 * 500  # dense 500
-    + 500 * 10  # dense 10
-)
-FORWARD_FLOPS = 2 * LENET_FORWARD_MACS  # ~4.6 MFLOP
-TRAIN_FLOPS = 3 * FORWARD_FLOPS  # forward + backward (gradients of inputs and of weights)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,11 @@ oneDNN's kernels.
 is in DIR, for TensorBoard's profile plugin) and adds the milliseconds per step
 of each kernel, summed over the trace, to the result (`kernel_ms_per_step`).
 Kernels that run at the same time on different threads each count in full.
+It also adds a bound (`if_only_arithmetic`): the step if its convolution and
+matmul kernels, the ones that do LeNet's counted FLOPs, kept every core busy
+and everything else took no time, and the speed-up that would be; tfdp-bench's
+fraction of peak times that speed-up is as high as this step could go with
+these kernels.
 """
 
 from __future__ import annotations
@@ -137,6 +142,7 @@ def main(argv) -> None:
         totals = kernel_seconds(FLAGS.profile_dir)
         top = sorted(totals.items(), key=lambda item: -item[1])[: FLAGS.top_kernels]
         result["kernel_ms_per_step"] = {k: round(1000 * s / FLAGS.iterations, 2) for k, s in top}
+        result["if_only_arithmetic"] = arithmetic_bound(totals, seconds / FLAGS.iterations)
     print(json.dumps(result))
 
 
@@ -169,6 +175,25 @@ def profiled(logdir):
     finally:
         if logdir:
             tf.profiler.experimental.stop()
+
+
+def arithmetic_bound(kernel_totals: dict[str, float], step_seconds: float) -> dict:
+    """The step if only its convolution and matmul kernels ran, on every core at once.
+
+    `kernel_totals` are seconds per kernel type over the timed steps
+    (`kernel_seconds`), `step_seconds` the measured time per step.
+    """
+    arithmetic = sum(s for k, s in kernel_totals.items() if "Conv2D" in k or "MatMul" in k)
+    cores = len(os.sched_getaffinity(0))
+    bound = arithmetic / FLAGS.iterations / cores
+    return {
+        "conv_and_matmul_ms_per_step": round(1000 * arithmetic / FLAGS.iterations, 2),
+        "all_kernels_ms_per_step": round(1000 * sum(kernel_totals.values()) / FLAGS.iterations, 2),
+        "cores": cores,
+        "step_ms": round(1000 * step_seconds, 2),
+        "bound_step_ms": round(1000 * bound, 2),
+        "speedup": round(step_seconds / bound, 3),
+    }
 
 
 def kernel_seconds(logdir) -> dict[str, float]:
