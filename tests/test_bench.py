@@ -167,4 +167,10 @@ def test_mixed_suite_smoke(tmp_path):
     assert rows["share 16"]["vs_best_sweep_second_half"] == 1.0
     assert all(row["vs_best_sweep_second_half"] > 0 for row in rows.values())
     assert "| second half vs best |" in process.stdout
+    # Only the row that starts from a static split, unmeasured, gets the cap of its first step.
+    assert rows["auto"]["start_bound"] is None and rows["share 16"]["start_bound"] is None
+    dynamic, even = rows["dynamic (every 5)"], rows["even split"]
+    assert dynamic["start_bound_from"] == "even split"
+    assert dynamic["start_bound"] == pytest.approx(6 / (1 / even["vs_best_sweep"] + 5))
+    assert "its first step runs at the shares of 'even split'" in process.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -517,7 +517,7 @@ def run_mixed(mnist_dir) -> None:
             if out:
                 record = {"round": round_index + 1, **job, **measured}
                 out.write(json.dumps(record) + "\n")
-    rows = bench_mixed.summarize(specs, measurements)
+    rows = bench_mixed.summarize(specs, measurements, FLAGS.iterations)
     print()
     print(bench_mixed.format_table(rows))
     if out:

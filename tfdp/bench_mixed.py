@@ -206,9 +206,23 @@ def measure(spec: MixedSpec, config, trainer, arrays, job: dict) -> dict:
     }
 
 
-def summarize(specs, measurements) -> list[dict]:
+def start_bound(start_rate: float, best_rate: float, iterations: int) -> float:
+    """The most a run that starts at one split can get of the best split's rate.
+
+    A rebalancer measures its starting split by running it: at best, its first
+    step runs at `start_rate` and the other `iterations - 1` at `best_rate`.
+    """
+    return iterations / (best_rate / start_rate + iterations - 1)
+
+
+def summarize(specs, measurements, iterations: int | None = None) -> list[dict]:
     """Medians over the rounds. Ratios are taken within each round (one process),
-    then their median is reported."""
+    then their median is reported.
+
+    A rebalanced row that starts from the split of a static row also gets
+    `start_bound` (with `iterations` given): the median over rounds of
+    `start_bound` at that row's rate.
+    """
     median = {
         s.name: statistics.median(m["images_per_second"] for m in measurements[s.name])
         for s in specs
@@ -221,9 +235,17 @@ def summarize(specs, measurements) -> list[dict]:
             m[key] / o[key] for m, o in zip(measurements[name], measurements[other])
         )
 
+    static = {s.powers: s.name for s in specs if not s.rebalance_every and s.powers != "auto"}
     rows = []
     for spec in specs:
         runs = measurements[spec.name]
+        start = static.get(spec.powers) if spec.rebalance_every and spec.powers != "auto" else None
+        bound = None
+        if start and best and iterations:
+            bound = statistics.median(
+                start_bound(m["images_per_second"], b["images_per_second"], iterations)
+                for m, b in zip(measurements[start], measurements[best])
+            )
         rates = [m["images_per_second"] for m in runs]
         rows.append(
             {
@@ -242,6 +264,9 @@ def summarize(specs, measurements) -> list[dict]:
                     ratio_to(spec.name, best, "images_per_second_second_half") if best else None
                 ),
                 "best_sweep": best,
+                "start_bound": bound,
+                "start_bound_from": start if bound is not None else None,
+                "start_bound_iterations": iterations if bound is not None else None,
                 "probe_seconds": statistics.median(m["probe_seconds"] for m in runs),
                 "rounds": len(runs),
             }
@@ -270,6 +295,13 @@ def format_table(rows) -> str:
             f"({r['images_per_second_min']:.0f}-{r['images_per_second_max']:.0f}) "
             f"| {r['vs_even']:.2f} | {best} | {half} | {r['probe_seconds']:.1f} |"
         )
+    for r in rows:
+        if r.get("start_bound") is not None:
+            lines.append(
+                f"\n{r['configuration']}: its first step runs at the shares of "
+                f"'{r['start_bound_from']}', which caps it at {r['start_bound']:.2f} of the best "
+                f"swept split over {r['start_bound_iterations']} iterations."
+            )
     return "\n".join(lines)
 
 
