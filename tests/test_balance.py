@@ -14,6 +14,7 @@ from tfdp.balance import (
     beyond_noise,
     expected_slowest,
     fastest_shares,
+    fitted_times,
     imbalance,
     powers_from_seconds,
     simulate,
@@ -322,7 +323,7 @@ def test_two_splits_give_each_device_its_overhead():
 
     first, second = [512, 512], [300, 724]
     rebalancer = Rebalancer(BATCH)
-    exact = rebalancer.target(second, seconds(second), previous=(first, seconds(first)))
+    exact = rebalancer.target(second, seconds(second), earlier=[(first, seconds(first), 1)])
     times = seconds(exact)
     assert max(times) / min(times) == pytest.approx(1.0, abs=1e-9)
     assert sum(exact) == pytest.approx(BATCH)
@@ -337,3 +338,77 @@ def test_a_device_whose_share_barely_moved_keeps_the_proportional_model():
     rates, overheads = affine_times(([512, 512], [0.5, 0.2]), ([300, 724], [0.3, 0.19]))
     assert overheads[0] == pytest.approx(0.5 - 512 * 0.2 / 212)  # the line through both
     assert overheads[1] == 0.0  # time fell as the share rose: not a line to trust
+
+
+def test_fitted_times_are_the_line_through_exact_splits():
+    overheads, rates = [0.05, 0.01], [1000.0, 4000.0]
+
+    def split(shares, steps):
+        return shares, [a + b / r for a, b, r in zip(overheads, shares, rates)], steps
+
+    splits = [split([512, 512], 1), split([300, 724], 2), split([200, 824], 4)]
+    got_rates, got_overheads = fitted_times(splits, [0.0, 0.0])
+    assert got_rates == pytest.approx(rates)
+    assert got_overheads == pytest.approx(overheads)
+
+
+def test_a_device_sharing_the_cores_gets_a_nearly_flat_line():
+    # Device 0 computes the examples it gives up anyway (the others run them on
+    # its cores): its time stays at 0.2 s whatever its share. Device 1's time is
+    # proportional to its share.
+    splits = [
+        ([512, 512], [0.200, 0.550], 2),
+        ([790, 234], [0.206, 0.250], 4),
+        ([850, 174], [0.197, 0.188], 8),
+    ]
+    rates, overheads = fitted_times(splits, [0.05**2, 0.05**2])
+    proportional = [850 / 0.197, 174 / 0.188]
+    assert rates[0] > 3 * proportional[0]  # a cheap place for more examples
+    assert overheads[0] == pytest.approx(0.197 - 850 / rates[0])
+    assert rates[1] == pytest.approx(1 / 0.00107, rel=0.1)  # its own slope, 1.07 ms per example
+    # With the fitted lines, the fastest expected step gives device 1 fewer
+    # examples than equal finishing times (175 here) would.
+    shares = fastest_shares(rates, [0.05, 0.05], BATCH, overheads)
+    assert shares[1] < 165
+
+
+def test_an_uncertain_line_is_read_as_proportional():
+    splits = [([512, 512], [0.20, 0.55], 4), ([530, 494], [0.20, 0.53], 4)]
+    # Shares 4% apart: no line.
+    rates, overheads = fitted_times(splits, [0.01**2, 0.01**2])
+    assert rates == pytest.approx([530 / 0.20, 494 / 0.53])
+    assert overheads == pytest.approx([0.0, 0.0])
+    # 30% apart, but a 30% scatter per step: the slope is not known well enough.
+    splits = [([512, 512], [0.20, 0.55], 4), ([690, 334], [0.20, 0.40], 4)]
+    rates, overheads = fitted_times(splits, [0.3**2, 0.3**2])
+    assert rates == pytest.approx([690 / 0.20, 334 / 0.40])
+    # With 2% scatter, the same points give lines.
+    rates, overheads = fitted_times(splits, [0.02**2, 0.02**2])
+    assert rates[0] > 3 * 690 / 0.20
+    assert overheads[1] > 0.05  # 0.12 s + 0.84 ms per example, with its slope's margin
+
+
+def test_on_shared_cores_rebalancing_moves_work_to_the_device_that_computes_it_anyway():
+    # Device 0 shares the cores with device 1: whatever the split, the cores
+    # compute all 1024 examples, so device 0 takes 0.2 s. Device 1 is slower and
+    # its own time grows with its share; the devices finish together at 179
+    # examples on it. Every split below that is as fast on average, and the
+    # further below, the less often device 1's scatter makes it the straggler.
+    shared = [SimulatedDevice(5120.0, shared=1 / 5120.0), SimulatedDevice(943.0, overhead=0.01)]
+    equal = next(s for s in range(1, 512) if shared[1].seconds(s, 0) >= 0.2)
+    assert equal == 180
+    finals, late = [], []
+    for seed in range(8):
+        run = simulate(shared, BATCH, 200, rebalance_every=5, noise=0.07, seed=seed)
+        best = simulate(shared, BATCH, 200, powers=[BATCH - 150, 150], noise=0.07, seed=seed)
+        finals.append(run.shards[-1][1])
+        late.append(
+            sum(run.step_seconds(s) for s in range(100, 200))
+            / sum(best.step_seconds(s) for s in range(100, 200))
+        )
+    # Device 0's line comes out nearly flat, and the fastest expected step moves
+    # work onto it: device 1 ends well below equal finishing times ...
+    assert statistics.median(finals) <= 162
+    assert max(finals) < 172
+    # ... and the steps are within 1.5% of the split of 150.
+    assert statistics.median(late) <= 1.015

@@ -19,7 +19,10 @@ equalises finishing times gives each device a share proportional to its rate
 tolerance keep measurement noise from making the split oscillate. Once a
 device has been measured at two splits far enough apart, its time is the
 line through them instead, a fixed cost per step plus a time per example
-(`affine_times`).
+(`affine_times`); once the noise is measured too, the line fitted to the
+run's latest splits, as steep as the noise leaves possible (`fitted_times`).
+A device that shares its cores with the others gets a nearly flat line
+there: the examples it gives up are computed on its cores anyway.
 
 Once the devices' step-to-step noise is measured, the target is the split
 with the shortest *expected* step (`fastest_shares`), not equal mean times:
@@ -49,6 +52,9 @@ TOLERANCE = 0.05  # shares within 5% of the target (equal times: within 5%) are 
 MIN_MOVE = 0.01  # a re-split that moves less than 1% of the batch is not worth making
 MIN_SCATTER = 8  # steps needed to estimate the step-to-step noise of device times
 MIN_FIT_CHANGE = 0.1  # a device's share must change by 10% to fit its time's overhead
+FIT_SPLITS = 10  # splits (the current one and those before it) a device's time line is fitted to
+FIT_ERROR = 0.25  # a fitted slope is used only if known within 25% of the proportional slope
+FLAT_SLOPE = 0.1  # the least time per example of a fitted line, as a fraction of the proportional
 PROBE_WINDOW = 4  # auto powers under load: probe steps per window ...
 PROBE_WINDOWS = 3  # ... and windows (each may re-split)
 
@@ -196,6 +202,72 @@ def affine_times(before, now, min_change: float = MIN_FIT_CHANGE):
     return rates, overheads
 
 
+def fitted_times(splits, log_variances, min_change: float = MIN_FIT_CHANGE):
+    """Each device's time per step as overhead + share / rate, from several splits.
+
+    `splits` are (shares, median seconds, steps) of the latest splits, the
+    current one last. Each device's line is the least-squares fit through its
+    medians, weighted by how precisely each is known: a median of k steps
+    scatters by about 1.25 x sqrt(log variance / k) of itself. Older splits
+    are left out, oldest first, while the medians lie off the line by more
+    than that scatter explains (the device changed speed since). The slope,
+    the time per example, is taken two standard errors steeper than fitted
+    (an uncertain line is read as the more expensive one), and kept between
+    `FLAT_SLOPE` of the proportional slope and the proportional slope (time /
+    share at the current split, the steepest line with no negative overhead);
+    the line passes through the current median.
+
+    A device whose time hardly rises with its share (one that shares its
+    cores with the others, and computes the examples it gives up anyway) thus
+    gets a nearly flat line: giving it more examples costs little. A device
+    whose shares spanned less than `min_change`, or whose slope is not known
+    within `FIT_ERROR` of the proportional slope, gets the proportional model.
+
+    Returns (rates, overheads).
+    """
+    *_, (shares_now, seconds_now, _) = splits
+    rates, overheads = [], []
+    for j, variance in enumerate(log_variances):
+        points = [(shares[j], seconds[j], steps) for shares, seconds, steps in splits]
+        proportional = seconds_now[j] / shares_now[j]
+        slope = proportional
+        line = _line(points, variance)
+        while line and line[2] and len(points) > 2:  # off the line: drop the oldest split
+            points = points[1:]
+            line = _line(points, variance)
+        if line and max(p[0] for p in points) >= (1.0 + min_change) * min(p[0] for p in points):
+            fitted, error, _ = line
+            if error <= FIT_ERROR * proportional:
+                slope = min(proportional, max(FLAT_SLOPE * proportional, fitted + 2 * error))
+        rates.append(1.0 / slope)
+        overheads.append(seconds_now[j] - slope * shares_now[j])
+    return rates, overheads
+
+
+def _line(points, variance: float):
+    """Weighted least squares through (share, median seconds, steps) points.
+
+    Returns (slope, its standard error, whether the points lie off the line
+    by more than 3 standard deviations of their chi-square), or None when
+    all shares are the same.
+    """
+    weights = [steps / t**2 for _, t, steps in points]  # 1 / relative variance of a median
+    total = sum(weights)
+    mean_n = sum(w * n for w, (n, _, _) in zip(weights, points)) / total
+    mean_t = sum(w * t for w, (_, t, _) in zip(weights, points)) / total
+    spread = sum(w * (n - mean_n) ** 2 for w, (n, _, _) in zip(weights, points))
+    if spread <= 0:
+        return None
+    slope = sum(w * (n - mean_n) * (t - mean_t) for w, (n, t, _) in zip(weights, points)) / spread
+    scale = 1.25**2 * variance  # a median's variance, times its weight
+    misfit = sum(
+        w * (t - mean_t - slope * (n - mean_n)) ** 2 for w, (n, t, _) in zip(weights, points)
+    )
+    free = len(points) - 2
+    off = free > 0 and misfit > scale * (free + 3.0 * math.sqrt(2.0 * free)) + 1e-12 * total
+    return slope, math.sqrt(scale / spread), off
+
+
 def departures(shards: Sequence[int], target: Sequence[float]) -> list[float]:
     """How far each device's share is from its target: log(target / share)."""
     return [math.log(t / s) for s, t in zip(shards, target)]
@@ -215,21 +287,27 @@ class Rebalancer:
         shards: Sequence[int],
         seconds: Sequence[float],
         log_variances: Sequence[float] | None = None,
-        previous: tuple[Sequence[int], Sequence[float]] | None = None,
+        earlier: Sequence[tuple[Sequence[int], Sequence[float], int]] = (),
+        steps: int = 1,
     ) -> list[float]:
         """The split to aim for, given each device's seconds per step at `shards`:
         equal finishing times, or with the devices' noise known
         (`log_variances`), the shortest expected step (`fastest_shares`).
 
         Each device's time is taken as proportional to its share or, given
-        the `previous` split's (shares, seconds), as the line through both
-        measurements where that line is well determined (`affine_times`).
+        `earlier` splits' (shares, seconds, steps), the current one measured
+        over `steps` steps, as a line: through the last earlier split where
+        that line is well determined (`affine_times`), or, once the noise is
+        known, fitted to all of them (`fitted_times`).
         """
-        if previous is None:
+        if not earlier:
             rates = [s / t for s, t in zip(shards, seconds, strict=True)]
             overheads = None
+        elif log_variances is None:
+            rates, overheads = affine_times(earlier[-1][:2], (shards, seconds))
         else:
-            rates, overheads = affine_times(previous, (shards, seconds))
+            splits = [*earlier, (shards, seconds, steps)]
+            rates, overheads = fitted_times(splits, log_variances)
         log_sds = [math.sqrt(v) for v in log_variances] if log_variances else [0.0] * len(rates)
         return fastest_shares(rates, log_sds, self.global_batch, overheads)
 
@@ -407,7 +485,7 @@ class Rebalancing:
         self.window = []
         self.window_length = min(first_window, every)  # steps in the current window
         self.split_steps = []  # device times of the current split's latest steps
-        self.previous_split = None  # (shares, median seconds) of the split before it
+        self.earlier_splits = []  # (shares, median seconds, steps) of the splits before it
         self.last_seconds = None  # the medians of the last full window
         self.resplits = []  # one dict per re-split, for the result
         self.scatter = []  # rows of `window_scatter`, over the windows so far
@@ -417,12 +495,12 @@ class Rebalancing:
 
     def carry_over(self, probe: Rebalancing) -> None:
         """Starts from what `probe` (`settle_under_load`) measured: its steps at the
-        current split, the split before it and the noise. The current split is
+        current split, the splits before it and the noise. The current split is
         then no guess: the first window is as long as the probe's, and the
         first re-split is damped like any other.
         """
         self.split_steps = list(probe.split_steps)
-        self.previous_split = probe.previous_split
+        self.earlier_splits = list(probe.earlier_splits)
         self.scatter = list(probe.scatter)
         self.window_length = min(probe.every, self.every) if self.every else 0
         self.last_move = probe.last_move
@@ -453,7 +531,9 @@ class Rebalancing:
         seconds = [statistics.median(column) for column in zip(*self.split_steps)]
         variances = self.log_variances()
         old = list(self.trainer.shards)
-        target = self.rebalancer.target(old, seconds, variances, self.previous_split)
+        target = self.rebalancer.target(
+            old, seconds, variances, self.earlier_splits, len(self.split_steps)
+        )
         fell_short = self.last_move is not None and all(
             _sign(t - s) == m for s, t, m in zip(old, target, self.last_move) if m
         )
@@ -467,8 +547,9 @@ class Rebalancing:
             return
         self.trainer.set_shards(new)
         self.last_move = [_sign(n - o) for o, n in zip(old, new)]
+        earlier = (old, seconds, len(self.split_steps))
+        self.earlier_splits = [*self.earlier_splits, earlier][-(FIT_SPLITS - 1) :]
         self.split_steps = []
-        self.previous_split = (old, seconds)
         noise = [math.sqrt(v) for v in variances] if variances else None
         self.resplits.append(
             {
