@@ -135,6 +135,15 @@ def test_a_move_that_fell_short_is_followed_all_the_way():
     # (damped moves would still be 35% above it).
     assert [r["iteration"] for r in rebalancing.resplits] == [0, 1, 3, 7]
     assert all(r["all_the_way"] for r in rebalancing.resplits)
+    # Each re-split records the model it aimed by: the first, one split seen,
+    # is proportional; the second has device 1's line through two splits.
+    first, second = rebalancing.resplits[:2]
+    assert first["overhead_seconds"] == [0.0, 0.0]
+    assert first["ms_per_example"] == pytest.approx(
+        [1000 * t / s for t, s in zip(first["seconds"], first["old"])], abs=1e-4
+    )
+    assert second["overhead_seconds"][1] == pytest.approx(0.043, abs=1e-3)
+    assert second["ms_per_example"][1] == pytest.approx(1000 / 1064, abs=1e-3)
     assert slow_shares == sorted(slow_shares, reverse=True)  # no overshoot
     assert trainer.shards[1] == pytest.approx(equal, rel=0.06)
 

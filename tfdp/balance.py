@@ -292,24 +292,31 @@ class Rebalancer:
     ) -> list[float]:
         """The split to aim for, given each device's seconds per step at `shards`:
         equal finishing times, or with the devices' noise known
-        (`log_variances`), the shortest expected step (`fastest_shares`).
-
-        Each device's time is taken as proportional to its share or, given
-        `earlier` splits' (shares, seconds, steps), the current one measured
-        over `steps` steps, as a line: through the last earlier split where
-        that line is well determined (`affine_times`), or, once the noise is
-        known, fitted to all of them (`fitted_times`).
+        (`log_variances`), the shortest expected step (`fastest_shares`), under
+        the devices' `times`.
         """
-        if not earlier:
-            rates = [s / t for s, t in zip(shards, seconds, strict=True)]
-            overheads = None
-        elif log_variances is None:
-            rates, overheads = affine_times(earlier[-1][:2], (shards, seconds))
-        else:
-            splits = [*earlier, (shards, seconds, steps)]
-            rates, overheads = fitted_times(splits, log_variances)
+        return self.aim(*self.times(shards, seconds, log_variances, earlier, steps), log_variances)
+
+    def aim(self, rates, overheads, log_variances=None) -> list[float]:
+        """`target`, given the devices' `times`."""
         log_sds = [math.sqrt(v) for v in log_variances] if log_variances else [0.0] * len(rates)
         return fastest_shares(rates, log_sds, self.global_batch, overheads)
+
+    @staticmethod
+    def times(shards, seconds, log_variances=None, earlier=(), steps: int = 1):
+        """Each device's time per step as (rates, overheads): overhead + share / rate.
+
+        Proportional to its share (no overhead) or, given `earlier` splits'
+        (shares, seconds, steps), the current one measured over `steps`
+        steps, a line: through the last earlier split where that line is well
+        determined (`affine_times`), or, once the noise is known, fitted to
+        all of them (`fitted_times`).
+        """
+        if not earlier:
+            return [s / t for s, t in zip(shards, seconds, strict=True)], [0.0] * len(shards)
+        if log_variances is None:
+            return affine_times(earlier[-1][:2], (shards, seconds))
+        return fitted_times([*earlier, (shards, seconds, steps)], log_variances)
 
     def propose(
         self,
@@ -531,9 +538,10 @@ class Rebalancing:
         seconds = [statistics.median(column) for column in zip(*self.split_steps)]
         variances = self.log_variances()
         old = list(self.trainer.shards)
-        target = self.rebalancer.target(
+        rates, overheads = self.rebalancer.times(
             old, seconds, variances, self.earlier_splits, len(self.split_steps)
         )
+        target = self.rebalancer.aim(rates, overheads, variances)
         fell_short = self.last_move is not None and all(
             _sign(t - s) == m for s, t, m in zip(old, target, self.last_move) if m
         )
@@ -558,6 +566,9 @@ class Rebalancing:
                 "new": new,
                 "seconds": seconds,
                 "target": [round(t, 1) for t in target],
+                # the model the target came from: overhead + share x time per example
+                "ms_per_example": [round(1000.0 / r, 4) for r in rates],
+                "overhead_seconds": [round(a, 4) for a in overheads],
                 "all_the_way": all_the_way,
                 "log_sd": noise,
             }
