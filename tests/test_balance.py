@@ -421,3 +421,22 @@ def test_on_shared_cores_rebalancing_moves_work_to_the_device_that_computes_it_a
     assert max(finals) < 172
     # ... and the steps are within 1.5% of the split of 150.
     assert statistics.median(late) <= 1.015
+
+
+@pytest.mark.parametrize("noise", [0.05, 0.10])
+def test_a_device_that_changes_speed_is_fitted_to_its_new_speed(noise):
+    # Device 1 slows from 4x to 1x device 0's speed at step 100. Its medians
+    # from before lie off any line through those after, and are dropped: the
+    # split returns to even without wandering.
+    for seed in range(6):
+        slowing = SimulatedDevice(speed=lambda step: 4000.0 if step < 100 else 1000.0)
+        run = simulate(
+            [SimulatedDevice(1000.0), slowing],
+            BATCH,
+            200,
+            rebalance_every=5,
+            noise=noise,
+            seed=seed,
+        )
+        assert len([s for s in run.resplits if s >= 100]) <= 4
+        assert run.shards[-1][1] == pytest.approx(512, rel=0.04)
