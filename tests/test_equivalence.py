@@ -7,7 +7,7 @@ from conftest import CPUS
 
 from tfdp import Config
 from tfdp.data import Arrays, train_dataset
-from tfdp.training import build_trainer, partition
+from tfdp.training import build_trainer, partition, step_metrics
 
 BATCH = 100
 SEED = 5
@@ -35,7 +35,7 @@ def train_steps(mode, devices, powers, steps, images, **options):
     iterator = trainer.distribute(train_dataset(images, BATCH, SEED))
     for _ in range(steps):
         metrics = trainer.train_step(iterator)
-    return trainer.get_weights(), {k: float(metrics[k]) for k in ("loss_sum", "correct")}
+    return trainer.get_weights(), step_metrics(trainer.objective, metrics)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +74,8 @@ def test_same_update_as_single(mode, devices, powers, options, steps, images, re
     expected_weights, expected_metrics = reference[steps]
     for got, expected in zip(weights, expected_weights, strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-    assert metrics["correct"] == expected_metrics["correct"]
-    assert metrics["loss_sum"] == pytest.approx(expected_metrics["loss_sum"], rel=1e-5)
+    assert metrics["accuracy"] == expected_metrics["accuracy"]
+    assert metrics["loss"] == pytest.approx(expected_metrics["loss"], rel=1e-5)
 
 
 def test_the_update_is_not_trivial(reference):
@@ -106,9 +106,10 @@ def test_mirrored_shards_are_what_the_replicas_get(mirrored_input, shards, image
     )
     trainer = build_trainer(config, CPUS[:3], partition(config, CPUS[:3]))
     assert trainer.shards == partition(config, CPUS[:3]) == shards
-    x, _ = next(trainer.distribute(train_dataset(images, BATCH, SEED)))
+    batch = next(trainer.distribute(train_dataset(images, BATCH, SEED)))
     if mirrored_input == "split":
-        x = trainer._split(x)
+        batch = trainer._split(batch)
+    x, _ = batch
     assert [len(t) for t in trainer.strategy.experimental_local_results(x)] == shards
 
 
@@ -136,7 +137,7 @@ def test_resplits_and_slowdown_keep_the_update(reduce, images, reference):
     expected_weights, expected_metrics = reference[3]
     for got, expected in zip(trainer.get_weights(), expected_weights, strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-    assert float(metrics["correct"]) == expected_metrics["correct"]
+    assert step_metrics(trainer.objective, metrics)["accuracy"] == expected_metrics["accuracy"]
 
 
 def test_set_shards_must_split_the_global_batch():

@@ -96,14 +96,21 @@ def test_epochs_count_whole_passes_over_the_data():
 def test_evaluation_is_the_same_on_every_device_set(mnist_dir):
     from conftest import CPUS
 
+    import tensorflow as tf
+
     from tfdp.data import load_mnist_idx
-    from tfdp.models import build_model
-    from tfdp.training import build_trainer, partition
+    from tfdp.models import build_model, built_in_spec
+    from tfdp.training import build_trainer, evaluate, partition
 
     test = load_mnist_idx(mnist_dir, "test")
     model = build_model("lenet", seed=1)
-    predictions = np.argmax(model.predict(test.images / np.float32(255), verbose=0), -1)
-    expected = np.mean(predictions == test.labels)
+    logits = model.predict(test.images / np.float32(255), verbose=0)
+    expected = np.mean(np.argmax(logits, -1) == test.labels)
+    expected_loss = float(
+        tf.reduce_mean(
+            tf.nn.sparse_softmax_cross_entropy_with_logits(labels=test.labels, logits=logits)
+        )
+    )
     for mode, devices, powers in [
         ("single", CPUS[:1], ()),
         ("mirrored", CPUS[:4], ()),
@@ -111,8 +118,11 @@ def test_evaluation_is_the_same_on_every_device_set(mnist_dir):
         ("weighted", CPUS[:2], (1, 5)),
     ]:
         config = Config(mode=mode, devices=",".join(devices), powers=powers, seed=1)
-        trainer = build_trainer(config, devices, partition(config, devices))
-        assert trainer.evaluate(test) == pytest.approx(expected, abs=1e-9), (mode, devices)
+        spec = built_in_spec(config)
+        trainer = build_trainer(config, devices, partition(config, devices), spec)
+        values = evaluate(trainer, spec, test, config.batch_size)
+        assert values["accuracy"] == pytest.approx(expected, abs=1e-6), (mode, devices)  # 1 example: 1e-4
+        assert values["loss"] == pytest.approx(expected_loss, rel=1e-5), (mode, devices)
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 
     import tfdp
     tfdp.split_batch(100, [1, 5])          # [17, 83]
-    result = tfdp.train(tfdp.Config(mode="mirrored", devices="all"))
+    result = tfdp.fit(model, (x, y), mode="weighted", powers="auto", batch_size=256, epochs=1)
+    result = tfdp.train(tfdp.Config(mode="mirrored", devices="all"))   # the tutorial's runs
 
 The modules that import TensorFlow load on first use, so `import tfdp` is quick.
 """
@@ -18,6 +19,7 @@ from tfdp.devices import configure_logical_devices, split_batch  # noqa: E402
 from tfdp.errors import ConfigError  # noqa: E402
 
 _LAZY = {
+    "fit": "tfdp.training",
     "train": "tfdp.training",
     "prepare": "tfdp.training",
     "run": "tfdp.training",
@@ -26,6 +28,7 @@ _LAZY = {
     "lenet": "tfdp.models",
     "toy_mlp": "tfdp.models",
     "initial_weights": "tfdp.models",
+    "model_spec": "tfdp.models",
     "load_mnist": "tfdp.data",
     "make_toy_data": "tfdp.data",
     "train_dataset": "tfdp.data",

@@ -353,39 +353,44 @@ class Rebalancer:
         return proposed
 
 
-def seconds_alone(trainer, x, y, index: int, repeats: int = 3) -> float:
-    """Median seconds of device `index` for forward and backward on (x, y), alone.
+def seconds_alone(trainer, batch, index: int, repeats: int = 3) -> float:
+    """Median seconds of device `index` for forward and backward on `batch`, alone.
 
     One untimed run first: tracing and first-run costs are not the device's speed.
     """
-    trainer.seconds_alone(x, y, index)
-    return statistics.median(trainer.seconds_alone(x, y, index) for _ in range(repeats))
+    trainer.seconds_alone(batch, index)
+    return statistics.median(trainer.seconds_alone(batch, index) for _ in range(repeats))
 
 
-def calibrate_slowdown(trainer, x, y, factors: Sequence[float]) -> list[float]:
+def _examples(batch) -> int:
+    import tensorflow as tf
+
+    return int(tf.nest.flatten(batch)[0].shape[0])
+
+
+def calibrate_slowdown(trainer, batch, factors: Sequence[float]) -> list[float]:
     """Sets the simulated slowdown: device i alone becomes `factors[i]` times slower.
 
     Returns the seconds of sleep per example each device gets.
     """
     delays = [
-        0.0 if factor == 1 else (factor - 1) * seconds_alone(trainer, x, y, i) / len(x)
+        0.0 if factor == 1 else (factor - 1) * seconds_alone(trainer, batch, i) / _examples(batch)
         for i, factor in enumerate(factors)
     ]
     trainer.set_delays(delays)
     return delays
 
 
-def measure_powers(trainer, x, y) -> list[float]:
-    """Auto powers: each device's examples per second on (x, y), alone."""
+def measure_powers(trainer, batch) -> list[float]:
+    """Auto powers: each device's examples per second on `batch`, alone."""
     return powers_from_seconds(
-        len(x), [seconds_alone(trainer, x, y, i) for i in range(len(trainer.devices))]
+        _examples(batch), [seconds_alone(trainer, batch, i) for i in range(len(trainer.devices))]
     )
 
 
 def settle_under_load(
     trainer,
-    x,
-    y,
+    batch,
     log: Callable[[str], None] = print,
     window: int = PROBE_WINDOW,
     windows: int = PROBE_WINDOWS,
@@ -395,17 +400,17 @@ def settle_under_load(
     Timed alone, a device may have resources to itself that it shares in
     training (cores, memory bandwidth, the host that feeds a GPU), so the
     split from `measure_powers` can be off under load. Here every device
-    runs forward and backward on its shard of the global batch (x, y) at the
+    runs forward and backward on its shard of the global `batch` at the
     same time, without updating the weights, and `Rebalancing` re-splits
     after each of `windows` windows of `window` probe steps. One untimed run
     first, as for the devices alone.
 
     Returns the `Rebalancing`, whose `resplits` say what changed.
     """
-    trainer.seconds_together(x, y)
+    trainer.seconds_together(batch)
     rebalancing = Rebalancing(trainer, window, log, first_window=window, unit="probe step")
     for step in range(window * windows):
-        rebalancing.observe(step, trainer.seconds_together(x, y))
+        rebalancing.observe(step, trainer.seconds_together(batch))
     return rebalancing
 
 
@@ -690,7 +695,7 @@ def simulate(
         ]
         auto_powers = powers_from_seconds(probe, seconds)
         trainer = _SimulatedTrainer(global_batch, split_batch(global_batch, auto_powers), together)
-        probe = settle_under_load(trainer, None, None, log=lambda line: None)
+        probe = settle_under_load(trainer, None, log=lambda line: None)
         auto_shards = list(trainer.shards)
     else:
         shards = split_batch(global_batch, powers or [1.0] * n)
@@ -723,5 +728,5 @@ class _SimulatedTrainer:
     def set_shards(self, shards) -> None:
         self.shards = list(shards)
 
-    def seconds_together(self, x, y) -> list[float]:
+    def seconds_together(self, batch) -> list[float]:
         return self.together(self.shards)

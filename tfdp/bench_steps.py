@@ -65,7 +65,8 @@ def main(argv) -> None:
     import tensorflow as tf
 
     from tfdp.data import load_mnist, train_dataset
-    from tfdp.models import build_model, initial_weights, pool_first_lenet
+    from tfdp.config import Config
+    from tfdp.models import build_model, built_in_spec, initial_weights, pool_first_lenet
     from tfdp.steps import micro_batch_gradients, replica_gradients, timed_replica_gradients
 
     variant, batch = FLAGS.variant, 1024
@@ -81,24 +82,29 @@ def main(argv) -> None:
         model = pool_first_lenet(model)
     optimizer = keras.optimizers.SGD(0.1)
     optimizer.build(model.trainable_variables)
+    objective = built_in_spec(Config()).objective  # LeNet's compiled loss
 
-    def update(x, y):
+    def update(batch_data):
         if variant == "clocks":
-            gradients, metrics, _ = timed_replica_gradients(model, x, y, batch)
+            gradients, loss, _, _ = timed_replica_gradients(model, objective, batch_data, batch)
         elif variant == "micro256":
-            gradients, metrics = micro_batch_gradients(model, x, y, batch, 4, side_by_side=False)
+            gradients, loss = micro_batch_gradients(
+                model, objective, batch_data, batch, 4, side_by_side=False
+            )
         elif variant in ("halves", "pool_first"):
-            gradients, metrics = micro_batch_gradients(model, x, y, batch, 2, side_by_side=True)
+            gradients, loss = micro_batch_gradients(
+                model, objective, batch_data, batch, 2, side_by_side=True
+            )
         else:
-            gradients, metrics = replica_gradients(model, x, y, batch)
+            gradients, loss, _ = replica_gradients(model, objective, batch_data, batch)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-        return metrics
+        return {"loss": loss}
 
     if variant == "xla_update":
         update = tf.function(update, jit_compile=True)
 
     def step(iterator):
-        return update(*next(iterator))
+        return update(next(iterator))
 
     steps_per_call = 10 if variant == "loop10" else 1
 
@@ -123,13 +129,13 @@ def main(argv) -> None:
         iterator = iter(dataset)
         for _ in range(max(1, FLAGS.warmup // steps_per_call)):
             metrics = call(iterator)
-        float(metrics["loss_sum"])
+        float(metrics["loss"])
         calls = max(1, FLAGS.iterations // steps_per_call)
         with profiled(FLAGS.profile_dir):
             start = time.perf_counter()
             for _ in range(calls):
                 metrics = call(iterator)
-            float(metrics["loss_sum"])
+            float(metrics["loss"])
             seconds = time.perf_counter() - start
         FLAGS.iterations = calls * steps_per_call
     result = {

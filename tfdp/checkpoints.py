@@ -156,12 +156,9 @@ class Checkpointer:
             ) from None
 
 
-def export_model(config, weights, path: str) -> None:
-    """Writes a plain Keras model with `weights` to `path` (.keras), atomically."""
-    from tfdp.models import build_model
-
-    model = build_model(config.model, config.init, config.seed, config.hidden_units)
-    model.set_weights(weights)
+def export_model(model, path: str) -> None:
+    """Writes `model` (its structure, trained weights and compile settings) to `path`
+    (.keras), atomically; `keras.models.load_model` reads it back."""
     directory = os.path.dirname(os.path.abspath(path))
     temporary = os.path.join(directory, f".tmp-{os.getpid()}.keras")
     model.save(temporary)

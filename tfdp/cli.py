@@ -21,11 +21,9 @@ from tfdp.config import (  # noqa: E402
     ALL_REDUCES,
     AUTO,
     COLLECTIVES,
-    DATASETS,
     DEFAULT_ITERATIONS,
     INITS,
     MIRRORED_INPUTS,
-    MODELS,
     MODES,
     REDUCES,
     Config,
@@ -50,8 +48,21 @@ flags.DEFINE_enum(
     "single: one device; mirrored: tf.distribute.MirroredStrategy; "
     "weighted: the tutorial's shards split by --powers, summed on device 0.",
 )
-flags.DEFINE_enum("model", _DEFAULTS.model, MODELS, "LeNet-5 or the tutorial's toy MLP.")
-flags.DEFINE_enum("dataset", None, DATASETS, "Default: the model's own (lenet: mnist, toy: toy).")
+flags.DEFINE_string(
+    "model",
+    _DEFAULTS.model,
+    "lenet (LeNet-5), toy (the tutorial's MLP), or MODULE:FUNCTION: a function of no "
+    "arguments, in an importable module or a .py file, that returns a compiled Keras model "
+    "(its loss, optimizer and metrics are used), e.g. examples/mnist_cnn.py:make_model.",
+)
+flags.DEFINE_string(
+    "dataset",
+    None,
+    "mnist (float32 images 28x28x1 in [0, 1], int32 labels 0-9), toy (the tutorial's "
+    "clusters), or MODULE:FUNCTION returning (train, validation), each numpy arrays such as "
+    "(x, y) or (x, y, sample_weight) or an unbatched tf.data.Dataset of such elements; "
+    "validation may be None. Default: the model's own (lenet: mnist, toy: toy, others: mnist).",
+)
 flags.DEFINE_string(
     "devices",
     _DEFAULTS.devices,
@@ -140,7 +151,12 @@ flags.DEFINE_enum(
     ["auto", "always", "never"],
     "Live progress line on stderr (auto: on a terminal).",
 )
-flags.DEFINE_float("learning_rate", _DEFAULTS.learning_rate, "Plain SGD learning rate.")
+flags.DEFINE_float(
+    "learning_rate",
+    _DEFAULTS.learning_rate,
+    "Plain SGD learning rate of the built-in models (a MODULE:FUNCTION model brings its own "
+    "optimizer).",
+)
 flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the initial weights and of the batch order.")
 flags.DEFINE_enum(
     "init",

@@ -27,8 +27,10 @@ class Config:
     """One training run. Defaults reproduce the MXNet tutorial's LeNet run."""
 
     mode: str = "single"  # single | mirrored | weighted | multiworker
-    model: str = "lenet"  # lenet | toy
-    dataset: str | None = None  # None: the model's own (lenet: mnist, toy: toy)
+    model: str = "lenet"  # lenet | toy | MODULE:FUNCTION returning a compiled Keras model
+    # mnist | toy | MODULE:FUNCTION returning (train, validation); None: the model's own
+    # (lenet: mnist, toy: toy, a MODULE:FUNCTION model: mnist)
+    dataset: str | None = None
     devices: str = ""  # comma list or 'all'; '': single -> first device, others -> all
     powers: (
         tuple[float, ...] | str
@@ -67,7 +69,7 @@ class Config:
 
     def __post_init__(self):
         if self.dataset is None:
-            object.__setattr__(self, "dataset", DATASET_OF_MODEL.get(self.model))
+            object.__setattr__(self, "dataset", DATASET_OF_MODEL.get(self.model, "mnist"))
         if self.powers != AUTO:
             object.__setattr__(self, "powers", tuple(self.powers))
         validate(self)
@@ -88,8 +90,12 @@ def _positive_int(config, field):
 def validate(config: Config) -> None:
     """Checks each field on its own and against the others; raises ConfigError."""
     _choice(config, "mode", MODES)
-    _choice(config, "model", MODELS)
-    _choice(config, "dataset", DATASETS)
+    for field, names in (("model", MODELS), ("dataset", DATASETS)):
+        value = getattr(config, field)
+        if value not in names and not (isinstance(value, str) and ":" in value):
+            raise ConfigError(
+                field, value, f"must be one of {', '.join(names)}, or MODULE:FUNCTION"
+            )
     _choice(config, "init", INITS)
     _choice(config, "all_reduce", ALL_REDUCES)
     _choice(config, "mirrored_input", MIRRORED_INPUTS)
@@ -114,7 +120,9 @@ def validate(config: Config) -> None:
         raise ConfigError("eval_every", config.eval_every, "must be an integer")
     if config.eval_every < 0:
         raise ConfigError("eval_every", config.eval_every, "must be 0 (at the end only) or more")
-    if DATASET_OF_MODEL[config.model] != config.dataset:
+    if config.model in MODELS and config.dataset in DATASETS and (
+        DATASET_OF_MODEL[config.model] != config.dataset
+    ):
         raise ConfigError(
             "dataset",
             config.dataset,

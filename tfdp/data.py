@@ -217,10 +217,44 @@ def make_toy_data(
     return Arrays(images=features.astype(np.float32), labels=labels.astype(np.int32))
 
 
-def _to_tensors(arrays):
+def size(data) -> int:
+    """The examples in `data`: an Arrays, or a nested structure of arrays (checked)."""
+    if isinstance(data, Arrays):
+        return len(data)
+    return len(tf.nest.flatten(data)[0])
+
+
+def check_arrays(data, field: str) -> None:
+    """Fails with ConfigError (naming `field`) unless every leaf of `data` is an array of
+    the same, non-zero length."""
+    if isinstance(data, Arrays):
+        return
+    leaves = tf.nest.flatten(data)
+    lengths = [len(leaf) if np.ndim(leaf) else None for leaf in leaves]
+    if not leaves or None in lengths:
+        raise ConfigError(
+            field, type(data).__name__, "must be arrays (or a nested structure of them) of examples"
+        )
+    if len(set(lengths)) > 1:
+        shapes = tf.nest.map_structure(lambda leaf: tuple(np.shape(leaf)), data)
+        raise ConfigError(field, shapes, f"has leaves of different lengths {sorted(set(lengths))}")
+    if lengths[0] == 0:
+        raise ConfigError(field, 0, "has no examples")
+
+
+def take(data, begin: int, end: int):
+    """Examples begin..end-1 of `data`, of the same kind."""
+    if isinstance(data, Arrays):
+        return Arrays(data.images[begin:end], data.labels[begin:end])
+    return tf.nest.map_structure(lambda leaf: leaf[begin:end], data)
+
+
+def _to_tensors(data):
     # Pinned to the host: tf.data runs there, so a copy on an accelerator would be wasted.
     with tf.device("/cpu:0"):
-        return tf.convert_to_tensor(arrays.images), tf.convert_to_tensor(arrays.labels)
+        if isinstance(data, Arrays):
+            return tf.convert_to_tensor(data.images), tf.convert_to_tensor(data.labels)
+        return tf.nest.map_structure(tf.convert_to_tensor, data)
 
 
 def _scale(images, labels):
@@ -231,10 +265,21 @@ def _scale(images, labels):
     return x, tf.cast(labels, tf.int32)
 
 
-def first_examples(arrays, count):
-    """The first `count` examples as model inputs, on the host (for timing probes)."""
+def _model_inputs(data):
+    """What a batch of `data` becomes before the model reads it: MNIST's uint8 images
+    scaled to [0, 1] (Arrays); a user's arrays as they are."""
+    return _scale if isinstance(data, Arrays) else _as_they_are
+
+
+def _as_they_are(*batch):
+    return batch if len(batch) > 1 else batch[0]
+
+
+def first_examples(data, count):
+    """The first `count` examples as a model batch, on the host (for timing probes)."""
     with tf.device("/cpu:0"):
-        return _scale(*_to_tensors(Arrays(arrays.images[:count], arrays.labels[:count])))
+        tensors = _to_tensors(take(data, 0, count))
+        return _model_inputs(data)(*tensors) if isinstance(tensors, tuple) else tensors
 
 
 # Batches made ahead of the step that reads them. The pipeline (a gather and a scale) makes
@@ -267,24 +312,28 @@ def train_dataset(arrays, batch_size, seed, start_step=0):
     (arrays, batch_size, seed) and not on the devices that consume it.
 
     Args:
-        arrays: the training split.
+        arrays: the training split: an Arrays, or a nested structure of arrays
+            (`(x, y)`, `(x, y, sample_weight)`, dict inputs) with one leading
+            example axis; every leaf is cut the same way.
         batch_size: global batch size, 1 <= batch_size <= N.
         seed: integer seed of the shuffle.
         start_step: first step to produce, for resuming exactly where training stopped.
 
     Returns:
-        A dataset of (x float32 (batch_size, ...), y int32 (batch_size,)) batches.
+        A dataset of batches: (x float32 (batch_size, ...), y int32 (batch_size,)) for
+        Arrays, batches of the same structure as `arrays` otherwise.
 
     Raises:
         ConfigError: `batch_size` outside 1..N, or negative `start_step`.
     """
-    num_examples = len(arrays)
+    num_examples = size(arrays)
     if not 1 <= batch_size <= num_examples:
         raise ConfigError("batch_size", batch_size, f"must be in 1..N={num_examples}")
     if start_step < 0:
         raise ConfigError("start_step", start_step, "must be >= 0")
     steps_per_epoch = num_examples // batch_size
-    images, labels = _to_tensors(arrays)
+    tensors = _to_tensors(arrays)
+    prepare = _model_inputs(arrays)
 
     def epoch_batches(epoch):
         # One shuffle per epoch, cut into the index batches of its steps.
@@ -295,7 +344,8 @@ def train_dataset(arrays, batch_size, seed, start_step=0):
         return tf.data.Dataset.from_tensor_slices(batches)
 
     def gather(indices):
-        return _scale(tf.gather(images, indices), tf.gather(labels, indices))
+        batch = tf.nest.map_structure(lambda t: tf.gather(t, indices), tensors)
+        return prepare(*batch) if isinstance(batch, tuple) else batch
 
     start_epoch, start_offset = divmod(start_step, steps_per_epoch)
     return (
@@ -323,7 +373,7 @@ def eval_batches(arrays, batch_size):
     return (
         tf.data.Dataset.from_tensor_slices(_to_tensors(arrays))
         .batch(batch_size)
-        .map(_scale)
+        .map(_model_inputs(arrays))
         .prefetch(PREFETCH_BATCHES)
         .with_options(_without_autotune())
     )

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import itertools
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdp.data import eval_batches
 from tfdp.devices import even_split, split_batch
-from tfdp.steps import replica_correct, timed_replica_gradients
+from tfdp.objective import concat, num_examples
+from tfdp.steps import split, timed_replica_gradients
 
 _strategies_made = itertools.count(1)
 
@@ -48,24 +47,22 @@ class MirroredTrainer:
 
     def __init__(
         self,
-        make_model,
-        weights,
+        spec,
         devices,
         global_batch_size,
-        learning_rate,
         all_reduce="auto",
         input="split",
         shards=None,
         slowdown=False,
         chains=1,
+        timed=True,
     ):
         """
         Args:
-          make_model: builds the model (called in the strategy's scope).
-          weights: initial weights.
+          spec: the model (`models.ModelSpec`); its factory is called in the
+            strategy's scope, so its weights and optimizer slots are mirrored.
           devices: canonical device names, one replica each.
           global_batch_size: examples per step over all replicas.
-          learning_rate: plain SGD step size.
           all_reduce: see `cross_device_ops_for`.
           input: "split": each global batch is cut on the host into near-equal
             shards (largest remainder), handed to the replicas with
@@ -76,9 +73,13 @@ class MirroredTrainer:
           slowdown: build the simulated slowdown in (delays set by `set_delays`).
           chains: how many side-by-side parts each replica cuts its shard into
             (`steps.replica_gradients`).
+          timed: read each replica's seconds in the step (for auto powers and
+            rebalancing); False leaves the host clock out of the step.
         """
         self.devices = list(devices)
         self.chains = chains
+        self.timed = timed
+        self.objective = spec.objective
         self.global_batch_size = global_batch_size
         self.input = input
         n = len(self.devices)
@@ -95,12 +96,12 @@ class MirroredTrainer:
             )
         self.strategy = make_strategy(self.devices, all_reduce)
         with self.strategy.scope():
-            self.model = make_model()
-            self.model.set_weights(weights)
-            self.optimizer = keras.optimizers.SGD(learning_rate)
+            self.model = spec.make()
+            self.model.set_weights(spec.weights)
+            self.optimizer = self.model.optimizer
             self.optimizer.build(self.model.trainable_variables)
         self._train_step = tf.function(self._step)
-        self._eval_step = tf.function(self._correct, reduce_retracing=True)
+        self._predict_step = tf.function(self._predict, reduce_retracing=True)
         self._seconds_alone = tf.function(self._alone)
         self._seconds_together = tf.function(self._together)
 
@@ -111,43 +112,52 @@ class MirroredTrainer:
         return iter(self.strategy.experimental_distribute_dataset(dataset))
 
     def train_step(self, iterator):
-        """One SGD step on the next global batch; returns summed metrics."""
+        """One update on the next global batch; returns the loss, the outputs and times."""
         return self._train_step(iterator)
 
     def _step(self, iterator):
-        x, y = next(iterator)
-        if self.input == "split":
-            x, y = self._split(x), self._split(y)
-        metrics, seconds = self.strategy.run(self._replica_step, args=(x, y))
+        batch = next(iterator)
+        shards = self._split(batch) if self.input == "split" else batch
+        loss, predictions, seconds = self.strategy.run(self._replica_step, args=(shards,))
+        local = self.strategy.experimental_local_results
+        inputs = {"batch": batch} if self.input == "split" else {"batches": local(batch)}
         return {
-            **{
-                key: self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
-                for key, value in metrics.items()
-            },
-            "device_seconds": tf.stack(self.strategy.experimental_local_results(seconds)),
+            "loss": self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None),
+            **inputs,
+            "predictions": local(predictions),
+            "device_seconds": tf.stack(local(seconds)),
         }
 
-    def _split(self, tensor, sizes=None):
+    def _split(self, batch, sizes=None):
         """A global batch on the host -> one shard per replica."""
-        shards = tf.split(
-            tensor, self.shard_sizes if sizes is None else sizes, num=len(self.devices)
+        shards = split(
+            batch, self.shard_sizes if sizes is None else sizes, len(self.devices)
         )
         return self.strategy.experimental_distribute_values_from_function(
             lambda context: shards[context.replica_id_in_sync_group]
         )
 
-    def _replica_step(self, x, y):
-        gradients, metrics, seconds = self._timed_gradients(x, y)
-        # Inside a replica, the optimizer all-reduces (sums) the gradients first.
+    def _replica_step(self, batch):
+        gradients, loss, predictions, seconds = self._timed_gradients(batch)
+        # Inside a replica, the optimizer all-reduces (sums) the gradients first;
+        # clipping by norm acts on the sum.
         self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
-        return metrics, seconds
+        return loss, predictions, seconds
 
-    def _timed_gradients(self, x, y):
+    def _timed_gradients(self, batch, timed=None):
         delay = None
         if self.delays is not None:
             replica = tf.distribute.get_replica_context().replica_id_in_sync_group
             delay = tf.gather(self.delays, replica)
-        return timed_replica_gradients(self.model, x, y, self.global_batch_size, delay, self.chains)
+        return timed_replica_gradients(
+            self.model,
+            self.objective,
+            batch,
+            self.global_batch_size,
+            delay,
+            self.chains,
+            self.timed if timed is None else timed,
+        )
 
     def set_shards(self, shards) -> None:
         """Splits the following batches as `shards` (same global batch)."""
@@ -162,39 +172,48 @@ class MirroredTrainer:
         """Simulated slowdown: seconds of sleep per example, per replica."""
         self.delays.assign(delays)
 
-    def seconds_alone(self, x, y, index: int) -> float:
-        """Replica `index`'s seconds for forward and backward on (x, y), the others idle."""
-        return float(self._seconds_alone(x, y, index))
+    def seconds_alone(self, batch, index: int) -> float:
+        """Replica `index`'s seconds for forward and backward on `batch`, the others idle."""
+        return float(self._seconds_alone(batch, index))
 
-    def seconds_together(self, x, y):
+    def seconds_together(self, batch):
         """Each replica's seconds for forward and backward on its shard of the global
-        batch (x, y), all replicas at once as in a step, without an update."""
-        return self._seconds_together(x, y)
+        batch, all replicas at once as in a step, without an update."""
+        return self._seconds_together(batch)
 
-    def _together(self, x, y):
-        x, y = self._split(x), self._split(y)
-        seconds = self.strategy.run(lambda x, y: self._timed_gradients(x, y)[2], args=(x, y))
+    def _together(self, batch):
+        seconds = self.strategy.run(
+            lambda shard: self._timed_gradients(shard, timed=True)[3], args=(self._split(batch),)
+        )
         return tf.stack(self.strategy.experimental_local_results(seconds))
 
-    def _alone(self, x, y, index):
+    def _alone(self, batch, index):
         # The other replicas get empty shards: the same program, no work.
         sizes = [0] * len(self.devices)
-        sizes[index] = tf.shape(x)[0]
-        x, y = self._split(x, tf.stack(sizes)), self._split(y, tf.stack(sizes))
-        seconds = self.strategy.run(lambda x, y: self._timed_gradients(x, y)[2], args=(x, y))
+        sizes[index] = num_examples(batch)
+        shards = self._split(batch, tf.stack(sizes))
+        seconds = self.strategy.run(
+            lambda shard: self._timed_gradients(shard, timed=True)[3], args=(shards,)
+        )
         return self.strategy.experimental_local_results(seconds)[index]
 
-    def evaluate(self, arrays) -> float:
-        """Accuracy on `arrays`, each batch split over the replicas."""
-        batches = self.strategy.experimental_distribute_dataset(
-            eval_batches(arrays, self.global_batch_size)
-        )
-        correct = sum(float(self._eval_step(x, y)) for x, y in batches)
-        return correct / len(arrays)
+    def predict(self, batch):
+        """The outputs and summed loss of an evaluation batch, split over the replicas."""
+        n = int(num_examples(batch))
+        sizes = split_batch(n, [1] * len(self.devices)) if n >= len(self.devices) else None
+        if sizes is None:  # fewer examples than replicas: the first ones take one each
+            sizes = [1] * n + [0] * (len(self.devices) - n)
+        summed, predictions = self._predict_step(batch, tf.constant(sizes))
+        return summed, concat(p for p, size in zip(predictions, sizes) if size)
 
-    def _correct(self, x, y):
-        per_replica = self.strategy.run(lambda x, y: replica_correct(self.model, x, y), (x, y))
-        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+    def _predict(self, batch, sizes):
+        per_replica = self.strategy.run(
+            lambda shard: self.objective.summed_loss(self.model, shard),
+            args=(self._split(batch, sizes),),
+        )
+        loss, predictions = per_replica
+        summed = self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
+        return summed, self.strategy.experimental_local_results(predictions)
 
     def sync_copies(self):
         """Nothing to do: MirroredVariables keep every replica's copy equal."""

@@ -1,6 +1,13 @@
-"""The tutorial's two networks in plain Keras, and their seeded initial weights."""
+"""Models as tfdp trains them: a factory of compiled Keras copies, the initial weights
+every copy starts from, and the objective; the tutorial's two networks are the
+built-in factories.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
 
 import keras
 import numpy as np
@@ -84,6 +91,144 @@ def toy_mlp(
         ],
         name="toy",
     )
+
+
+BUILT_IN_INPUTS = {"lenet": (28, 28, 1), "toy": (128,)}  # one example's shape
+
+
+def compiled(
+    name: str,
+    init: str = "tutorial",
+    seed: int = 0,
+    hidden_units: int = 64,
+    learning_rate: float = 0.1,
+) -> keras.Model:
+    """A built-in model, compiled as the tutorial trains it: plain SGD on the softmax
+    cross-entropy of its logits, with accuracy as the metric."""
+    model = build_model(name, init, seed, hidden_units)
+    model.compile(
+        optimizer=keras.optimizers.SGD(learning_rate),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A model as every mode builds it.
+
+    Attributes:
+      make: returns a fresh compiled copy; a mode calls it where it needs one
+        (in a strategy's scope, under a device).
+      weights: the initial weights every copy is set to.
+      objective: the compiled loss per shard and the metrics (objective.py).
+      name: for the banner and result.
+      batch_statistics: the model has layers whose output depends on the batch
+        (batch normalization): cutting a shard into chains would change them.
+    """
+
+    make: Callable[[], keras.Model]
+    weights: list
+    objective: object
+    name: str
+    batch_statistics: bool
+
+
+def model_spec(model, samples: dict, field: str = "model", source=None) -> ModelSpec:
+    """The ModelSpec of `model`: a compiled Keras model, or a function of no arguments
+    that returns one.
+
+    One copy is built on the host and checked against `samples` ({setting: a
+    few examples}): its inputs, its labels and its compiled loss. A model
+    object is copied with `keras.models.clone_model` and recompiled with a
+    fresh optimizer of the same config; its current weights are every copy's
+    initial weights. A function is called for every copy; its first copy's
+    weights are every copy's initial weights.
+
+    Raises:
+      ConfigError: naming `field` (or the setting of a sample) and what is wrong.
+    """
+    import tensorflow as tf
+
+    from tfdp.objective import Objective
+
+    label = source or getattr(model, "name", None) or repr(model)
+    with tf.device("/device:CPU:0"):
+        if isinstance(model, keras.Model):
+            make, first = _copier(model, field), model
+        elif callable(model):
+            make = functools.partial(_made_by, model, field, label)
+            first = make()
+        else:
+            raise ConfigError(
+                field, label, "must be a compiled Keras model or a function that returns one"
+            )
+        objective = None
+        for setting, batch in samples.items():
+            if objective is None:
+                objective = Objective(first, batch, setting)
+            else:
+                objective.check(first, batch, setting)
+        weights = first.get_weights()
+    return ModelSpec(make, weights, objective, first.name, _has_batch_statistics(first))
+
+
+def _made_by(function, field, label):
+    try:
+        model = function()
+    except Exception as error:  # the user's code: any error, reported on one line
+        raise ConfigError(field, label, f"raised {type(error).__name__}: {error}") from None
+    if not isinstance(model, keras.Model):
+        raise ConfigError(
+            field, label, f"returned {type(model).__name__}, not a compiled Keras model"
+        )
+    return model
+
+
+def _copier(model, field):
+    """A function that returns compiled copies of `model` (its structure, its compile
+    settings, a fresh optimizer of the same config)."""
+    from tfdp.objective import compile_settings
+
+    settings = compile_settings(model)
+    try:
+        keras.models.clone_model(model)
+    except Exception as error:  # subclassed models without get_config cannot be cloned
+        raise ConfigError(
+            field,
+            model.name,
+            f"cannot be copied by keras.models.clone_model ({type(error).__name__}); "
+            "pass a function that builds and compiles it instead",
+        ) from None
+
+    def make():
+        copy = keras.models.clone_model(model)
+        optimizer = model.optimizer.__class__.from_config(model.optimizer.get_config())
+        copy.compile(**{**settings, "optimizer": optimizer})
+        return copy
+
+    return make
+
+
+def _has_batch_statistics(model) -> bool:
+    return any(
+        isinstance(layer, keras.layers.BatchNormalization) for layer in model._flatten_layers()
+    )
+
+
+def built_in_spec(config, samples: dict | None = None) -> ModelSpec:
+    """The ModelSpec of the config's built-in model (`samples`: as in `model_spec`; None:
+    zeros of the model's input shape)."""
+    import tensorflow as tf
+
+    make = functools.partial(
+        compiled, config.model, config.init, config.seed, config.hidden_units, config.learning_rate
+    )
+    if samples is None:
+        shape = BUILT_IN_INPUTS[config.model]
+        samples = {"dataset": (tf.zeros((2, *shape), tf.float32), tf.zeros((2,), tf.int32))}
+    return model_spec(make, samples, source=config.model)
 
 
 def build_model(

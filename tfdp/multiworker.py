@@ -9,7 +9,7 @@ per local GPU. Per step:
   2. each replica runs forward and backward on its shard, with the loss
      divided by the global batch;
   3. the optimizer sums the gradients with a collective all-reduce over all
-     workers and applies one SGD update on every worker.
+     workers and applies one update (the compiled optimizer's) on every worker.
 So the update is the one `single` makes on the whole batch.
 
 Only the chief (task `chief`, else `worker:0`) writes the model directory.
@@ -142,17 +142,15 @@ def join_cluster(config):
 class MultiWorkerTrainer:
     """This worker's part of synchronous training over the whole cluster."""
 
-    def __init__(self, strategy, cluster, make_model, weights, shards, learning_rate):
+    def __init__(self, strategy, cluster, spec, shards):
         """
         Args:
           strategy: from `join_cluster`.
           cluster: from `read_cluster`.
-          make_model: builds the model (called in the strategy's scope).
-          weights: initial weights, the same on every worker.
+          spec: the model (`models.ModelSpec`); its factory is called in the
+            strategy's scope; its weights are the same on every worker.
           shards: examples per worker; they sum to the global batch.
-          learning_rate: plain SGD step size.
         """
-        import keras
         import tensorflow as tf
 
         self.tf = tf
@@ -163,48 +161,69 @@ class MultiWorkerTrainer:
         self.shards = list(shards)
         self.global_batch_size = sum(shards)
         self.local_replicas = len(strategy.extended.worker_devices)
-        self.make_model = make_model
+        self.spec = spec
+        self.objective = spec.objective
         self.worker_batch = None  # examples per step this worker's input yields, once distributed
         with strategy.scope():
-            self.model = make_model()
-            self.model.set_weights(weights)
-            self.optimizer = keras.optimizers.SGD(learning_rate)
+            self.model = spec.make()
+            self.model.set_weights(spec.weights)
+            self.optimizer = self.model.optimizer
             self.optimizer.build(self.model.trainable_variables)
         self._train_step = tf.function(self._step)
-        self._count = tf.function(self._correct, reduce_retracing=True)
+        self._predict_step = tf.function(self._predict, reduce_retracing=True)
         self._sum = tf.function(lambda values: strategy.reduce("SUM", values, axis=None))
 
     def distribute(self, dataset):
         """The iterator `train_step` reads: this worker's slice of every global batch."""
         shards, replicas = self.shards, self.local_replicas
+        tf = self.tf
 
         def worker_dataset(context):
             worker = context.input_pipeline_id
             begin, size = sum(shards[:worker]), shards[worker]
-            own = dataset.map(lambda x, y: (x[begin : begin + size], y[begin : begin + size]))
-            self.worker_batch = own.element_spec[0].shape[0]  # what this worker's input yields
+            own = dataset.map(
+                lambda *batch: tf.nest.map_structure(
+                    lambda t: t[begin : begin + size], batch if len(batch) > 1 else batch[0]
+                )
+            )
+            # what this worker's input yields
+            self.worker_batch = tf.nest.flatten(own.element_spec)[0].shape[0]
             return own if replicas == 1 else _per_replica(own, size, replicas)
 
         return iter(self.strategy.distribute_datasets_from_function(worker_dataset))
 
     def train_step(self, iterator):
-        """One SGD step on the next global batch; returns metrics summed over the cluster."""
+        """One update on the next global batch; returns the loss summed over the cluster
+        and this worker's outputs."""
         return self._train_step(iterator)
 
     def _step(self, iterator):
-        x, y = next(iterator)
-        per_replica = self.strategy.run(self._replica_step, args=(x, y))
+        batch = next(iterator)
+        loss, predictions = self.strategy.run(self._replica_step, args=(batch,))
+        local = self.strategy.experimental_local_results
         return {
-            key: self.strategy.reduce("SUM", value, axis=None) for key, value in per_replica.items()
+            "loss": self.strategy.reduce("SUM", loss, axis=None),
+            "batches": local(batch),
+            "predictions": local(predictions),
         }
 
-    def _replica_step(self, x, y):
+    def _replica_step(self, batch):
         from tfdp.steps import replica_gradients
 
-        gradients, metrics = replica_gradients(self.model, x, y, self.global_batch_size)
+        gradients, loss, predictions = replica_gradients(
+            self.model, self.objective, batch, self.global_batch_size
+        )
         # Inside a replica, the optimizer all-reduces (sums) the gradients over all workers.
         self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
-        return metrics
+        return loss, predictions
+
+    def predict(self, batch):
+        """The outputs and summed loss of an evaluation batch, computed by this worker
+        alone (every worker holds the same weights, and reads the same answer)."""
+        return self._predict_step(batch)
+
+    def _predict(self, batch):
+        return self.objective.summed_loss(self.model, batch)
 
     def gather(self, value: float) -> list[float]:
         """Every worker's `value`, in worker order, on every worker: one all-reduce.
@@ -221,42 +240,24 @@ class MultiWorkerTrainer:
         values = self.strategy.experimental_distribute_values_from_function(contribution)
         return self._sum(values).numpy().tolist()
 
-    def evaluate(self, arrays) -> float:
-        """Accuracy on `arrays`: each worker counts its share of them, the counts are summed."""
-        from tfdp.data import Arrays, eval_batches
-
-        sizes = split_batch(len(arrays), self.shards)
-        begin = sum(sizes[: self.index])
-        own = Arrays(
-            arrays.images[begin : begin + sizes[self.index]],
-            arrays.labels[begin : begin + sizes[self.index]],
-        )
-        correct = sum(
-            float(self._count(x, y)) for x, y in eval_batches(own, self.global_batch_size)
-        )
-        return sum(self.gather(correct)) / len(arrays)
-
-    def _correct(self, x, y):
-        from tfdp.steps import replica_correct
-
-        return replica_correct(self.model, x, y)
-
-    def measure_powers(self, min_seconds: float = 0.5, min_steps: int = 5) -> dict:
+    def measure_powers(self, batch, min_seconds: float = 0.5, min_steps: int = 5) -> dict:
         """`--powers=auto`: each worker's examples/second; re-splits the global batch by them.
 
-        Every worker times forward and backward (no all-reduce) on a probe shard
-        of global_batch / workers examples, after tracing and a warm-up step,
-        on a local model copy. The rates are exchanged with `gather`, so every
-        worker computes the same partition.
+        Every worker times forward and backward (no all-reduce) on `batch`, a
+        probe shard of global_batch / workers examples, after tracing and a
+        warm-up step, on a local model copy. The rates are exchanged with
+        `gather`, so every worker computes the same partition.
         """
+        from tfdp.objective import num_examples
         from tfdp.steps import replica_gradients
 
         tf = self.tf
-        probe = max(1, self.global_batch_size // len(self.workers))
-        model = self.make_model()
-        x = tf.random.stateless_uniform((probe, *model.input_shape[1:]), seed=[0, self.index])
-        y = tf.zeros([probe], tf.int32)
-        step = tf.function(lambda: replica_gradients(model, x, y, self.global_batch_size)[0][-1])
+        probe = int(num_examples(batch))
+        model = self.spec.make()
+        model.set_weights(self.spec.weights)
+        step = tf.function(
+            lambda: replica_gradients(model, self.objective, batch, self.global_batch_size)[0][-1]
+        )
         for _ in range(2):  # tracing, then a warm step
             step().numpy()
         steps, start = 0, time.perf_counter()
@@ -294,9 +295,10 @@ def _per_replica(dataset, size, replicas):
 
     bounds = tf.constant(np.cumsum([0, *split_batch(size, (1.0,) * replicas)]), tf.int64)
 
-    def pieces(x, y):
+    def pieces(*batch):
+        batch = batch if len(batch) > 1 else batch[0]
         return tf.data.Dataset.range(replicas).map(
-            lambda j: (x[bounds[j] : bounds[j + 1]], y[bounds[j] : bounds[j + 1]])
+            lambda j: tf.nest.map_structure(lambda t: t[bounds[j] : bounds[j + 1]], batch)
         )
 
     return dataset.flat_map(pieces)
@@ -336,11 +338,9 @@ class WorkerCheckpointer(Checkpointer):
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def build(config, shards, make_model, weights) -> MultiWorkerTrainer:
+def build(config, shards, spec) -> MultiWorkerTrainer:
     """The trainer of `training.build_trainer` for mode multiworker."""
-    return MultiWorkerTrainer(
-        join_cluster(config), read_cluster(), make_model, weights, shards, config.learning_rate
-    )
+    return MultiWorkerTrainer(join_cluster(config), read_cluster(), spec, shards)
 
 
 def is_cluster_error(error: BaseException) -> bool:

@@ -15,7 +15,7 @@ def format_duration(seconds: float) -> str:
 
 
 class Progress:
-    """One line, rewritten in place: step, loss, accuracy, images/s, ETA.
+    """One line, rewritten in place: step, loss and metrics, images/s, ETA.
 
     Reading a step's metrics waits for the device, so the line is refreshed at
     most every `interval` seconds, not at every step.
@@ -32,7 +32,8 @@ class Progress:
         self.width = 0
 
     def update(self, step, metrics, force=False):
-        """`step` steps are done; `metrics` are the last step's (tensors or numbers)."""
+        """`step` steps are done; `metrics` are the last step's loss and metrics (numbers or
+        tensors), or a function of no arguments that reads them (called only when shown)."""
         now = time.perf_counter()
         if not force and now - self.last_shown < self.interval:
             return
@@ -40,10 +41,10 @@ class Progress:
         done = step - self.start_step
         rate = done / (now - self.start_time) if done else 0.0
         eta = (self.total_steps - step) / rate if rate else 0.0
-        loss = float(metrics["loss_sum"]) / self.batch_size
-        accuracy = float(metrics["correct"]) / self.batch_size
+        values = metrics() if callable(metrics) else metrics
+        shown = " | ".join(f"{name} {float(value):.4f}" for name, value in values.items())
         line = (
-            f"step {step}/{self.total_steps} | loss {loss:.4f} | accuracy {accuracy:.4f} | "
+            f"step {step}/{self.total_steps} | {shown} | "
             f"{rate * self.batch_size:.0f} images/s | ETA {format_duration(eta)}"
         )
         self.width = max(self.width, len(line))
@@ -78,9 +79,10 @@ class Summaries:
             for name, value in scalars.items():
                 self.tf.summary.scalar(name, value)
 
-    def write_eval(self, step, test_accuracy):
+    def write_eval(self, step, scalars):
         with self.eval.as_default(step=step):
-            self.tf.summary.scalar("test_accuracy", test_accuracy)
+            for name, value in scalars.items():
+                self.tf.summary.scalar(name, value)
 
     def close(self):
         self.train.flush()

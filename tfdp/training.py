@@ -15,10 +15,10 @@ import os
 import time
 from typing import Callable
 
-from tfdp import balance, onednn
+from tfdp import balance, onednn, sources
 from tfdp import data as data_lib
 from tfdp.checkpoints import Checkpointer, check_model_dir, export_model, write_atomically
-from tfdp.config import AUTO, DEFAULT_ITERATIONS, Config
+from tfdp.config import AUTO, DATASETS, DEFAULT_ITERATIONS, MODELS, Config
 from tfdp.devices import (
     available_devices,
     default_chains,
@@ -29,18 +29,20 @@ from tfdp.devices import (
     split_batch,
 )
 from tfdp.errors import ConfigError
+from tfdp.models import ModelSpec
 from tfdp.observe import Progress, Summaries
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A validated run: where each example of a global batch goes, and the data."""
+    """A validated run: where each example of a global batch goes, the model and the data."""
 
     config: Config
     devices: list[str]
     shards: list[int]
-    train_data: data_lib.Arrays
-    test_data: data_lib.Arrays
+    spec: ModelSpec
+    train_data: object  # data_lib.Arrays, or a nested structure of arrays
+    test_data: object  # the same, or None: no evaluation
     steps_per_epoch: int
     total_steps: int
 
@@ -117,8 +119,9 @@ def multiworker_devices(config: Config) -> list[str]:
     return list(read_cluster().workers)
 
 
-def load_split(config: Config, split: str) -> data_lib.Arrays:
-    """One split of the data, with errors reported against the setting that chose the source."""
+def load_split(config: Config, split: str):
+    """One split of a built-in dataset, with errors reported against the setting that
+    chose the source."""
     if config.dataset == "toy":
         size = 10000 if split == "train" else 2000
         return data_lib.make_toy_data(config.seed, num_examples=size, split=split)
@@ -140,8 +143,44 @@ def load_split(config: Config, split: str) -> data_lib.Arrays:
         ) from error
 
 
-def prepare(config: Config) -> Plan:
-    """Validates the config against this machine and loads the data; writes nothing."""
+def load_data(config: Config):
+    """(train, test) of the config's dataset: a built-in one, or MODULE:FUNCTION's."""
+    if config.dataset in DATASETS:
+        return load_split(config, "train"), load_split(config, "test")
+    function = sources.load_function(config.dataset, "dataset")
+    returned = sources.call(function, config.dataset, "dataset")
+    if not (isinstance(returned, (tuple, list)) and len(returned) == 2):
+        raise ConfigError(
+            "dataset", config.dataset, "must return (train, validation); validation may be None"
+        )
+    train, test = (
+        sources.as_arrays(part, "dataset", config.dataset, name)
+        for part, name in zip(returned, ("train", "validation"))
+    )
+    return train, test
+
+
+def model_spec_for(config: Config, samples: dict, model=None) -> ModelSpec:
+    """The run's model: `model` (a compiled Keras model or a function returning one), else
+    the config's: a built-in name or MODULE:FUNCTION. `samples`: a few examples of each
+    split, by the setting that gave them, checked against the model."""
+    from tfdp import models
+
+    if model is not None:
+        return models.model_spec(model, samples)
+    if config.model in MODELS:
+        return models.built_in_spec(config, samples)
+    function = sources.load_function(config.model, "model")
+    return models.model_spec(function, samples, field="model", source=config.model)
+
+
+def prepare(config: Config, model=None, train_data=None, validation_data=None) -> Plan:
+    """Validates the config against this machine, loads the data and builds the model
+    once on the host; writes nothing.
+
+    model, train_data, validation_data: a library caller's own (see `tfdp.fit`);
+    None: the config's (`model`, `dataset`).
+    """
     check_model_dir(config)
     if config.mode == "multiworker":
         devices = multiworker_devices(config)
@@ -156,48 +195,60 @@ def prepare(config: Config) -> Plan:
         from tfdp.multiworker import join_cluster
 
         join_cluster(config)  # before any other TensorFlow op; waits for every worker
-    train_data = load_split(config, "train")
-    if config.batch_size > len(train_data):
+    if train_data is None:
+        train_data, test_data = load_data(config)
+        field = "dataset"
+    else:
+        train_data = sources.as_arrays(train_data, "train_data")
+        test_data = sources.as_arrays(validation_data, "validation_data")
+        field = "train_data"
+    examples = data_lib.size(train_data)
+    if config.batch_size > examples:
         raise ConfigError(
             "batch_size",
             config.batch_size,
-            f"is larger than the {len(train_data)} training examples",
+            f"is larger than the {examples} training examples",
         )
-    steps_per_epoch = len(train_data) // config.batch_size
+    samples = {field: data_lib.first_examples(train_data, 2)}
+    if test_data is not None:
+        samples["validation_data" if field == "train_data" else field] = (
+            data_lib.first_examples(test_data, 2)
+        )
+    spec = model_spec_for(config, samples, model)
+    steps_per_epoch = examples // config.batch_size
     if config.iterations is not None:
         total_steps = config.iterations
     elif config.epochs is not None:
         total_steps = config.epochs * steps_per_epoch
     else:
         total_steps = DEFAULT_ITERATIONS
-    test_data = load_split(config, "test")
-    return Plan(config, devices, shards, train_data, test_data, steps_per_epoch, total_steps)
+    return Plan(config, devices, shards, spec, train_data, test_data, steps_per_epoch, total_steps)
 
 
-def build_trainer(config: Config, devices: list[str], shards: list[int]):
-    """The mode's trainer, with every model copy starting from the seed's weights."""
+def build_trainer(config: Config, devices: list[str], shards: list[int], spec=None):
+    """The mode's trainer, with every model copy starting from the spec's weights.
+
+    spec: the model (`models.ModelSpec`); None: the config's built-in model.
+    """
     from tfdp.mirrored import MirroredTrainer
-    from tfdp.models import build_model, initial_weights
+    from tfdp.models import built_in_spec
     from tfdp.weighted import WeightedTrainer
 
-    model_args = dict(
-        name=config.model, init=config.init, seed=config.seed, hidden_units=config.hidden_units
-    )
-    weights = initial_weights(**model_args)
-    make_model = functools.partial(build_model, **model_args)
+    spec = spec or built_in_spec(config)
     if config.mode == "multiworker":
         from tfdp import multiworker
 
-        return multiworker.build(config, shards, make_model, weights)
+        return multiworker.build(config, shards, spec)
     slowdown = bool(config.simulate_slowdown)
-    chains = config.chains or default_chains(devices, os.cpu_count() or 1)
+    # Chains would compute batch statistics on parts of a shard: one chain for such models.
+    chains = config.chains or (
+        1 if spec.batch_statistics else default_chains(devices, os.cpu_count() or 1)
+    )
     if config.mode == "mirrored":
         return MirroredTrainer(
-            make_model,
-            weights,
+            spec,
             devices,
             config.batch_size,
-            config.learning_rate,
             all_reduce=config.all_reduce,
             input=config.mirrored_input,
             slowdown=slowdown,
@@ -205,20 +256,16 @@ def build_trainer(config: Config, devices: list[str], shards: list[int]):
         )
     if config.reduce == "allreduce":  # weighted shards, MirroredStrategy replicas
         return MirroredTrainer(
-            make_model,
-            weights,
+            spec,
             devices,
             config.batch_size,
-            config.learning_rate,
             all_reduce=config.all_reduce,
             shards=shards,
             slowdown=slowdown,
             chains=chains,
         )
     # single is the weighted algorithm on one device: no split, no copies.
-    return WeightedTrainer(
-        make_model, weights, devices, shards, config.learning_rate, slowdown=slowdown, chains=chains
-    )
+    return WeightedTrainer(spec, devices, shards, slowdown=slowdown, chains=chains)
 
 
 def set_up_split(
@@ -240,11 +287,11 @@ def set_up_split(
     if not slowdown and not measure:
         return info, settled
     probe = max(1, config.batch_size // len(plan.devices))  # an even share
-    x, y = data_lib.first_examples(plan.train_data, probe)
+    batch = data_lib.first_examples(plan.train_data, probe)
     names = [short_name(d) for d in plan.devices]
     if slowdown:
         factors = [slowdown.get(d, 1.0) for d in plan.devices]
-        delays = balance.calibrate_slowdown(trainer, x, y, factors)
+        delays = balance.calibrate_slowdown(trainer, batch, factors)
         info["simulated_slowdown"] = {
             name: {"factor": f, "sleep_seconds_per_example": d}
             for name, f, d in zip(names, factors, delays)
@@ -259,7 +306,7 @@ def set_up_split(
             )
         )
     if measure:
-        rates = balance.measure_powers(trainer, x, y)
+        rates = balance.measure_powers(trainer, batch)
         alone = balance.whole_shares(config.batch_size, rates)
         log(
             f"auto powers, each device alone on {probe} examples: "
@@ -267,8 +314,8 @@ def set_up_split(
             + f"; shares {alone}"
         )
         trainer.set_shards(alone)
-        x, y = data_lib.first_examples(plan.train_data, config.batch_size)
-        settled = balance.settle_under_load(trainer, x, y, log)
+        batch = data_lib.first_examples(plan.train_data, config.batch_size)
+        settled = balance.settle_under_load(trainer, batch, log)
         shards = list(trainer.shards)
         steps = balance.PROBE_WINDOW * balance.PROBE_WINDOWS
         log(
@@ -335,8 +382,9 @@ def banner(plan: Plan, start_step: int, shards: list[int]) -> str:
     epochs = plan.total_steps / plan.steps_per_epoch
     text = (
         f"global batch {config.batch_size} = {split} over {n} {unit(config)}, mode {config.mode}; "
-        f"{plan.steps_per_epoch} steps per epoch of {len(plan.train_data)} examples; "
-        f"{plan.total_steps} iterations ({epochs:.2f} epochs) at learning rate {config.learning_rate}"
+        f"{plan.steps_per_epoch} steps per epoch of {data_lib.size(plan.train_data)} examples; "
+        f"{plan.total_steps} iterations ({epochs:.2f} epochs) at learning rate "
+        f"{config.learning_rate}"
     )
     if config.mode == "weighted":
         text += f"; gradients summed by {config.reduce}"
@@ -348,6 +396,44 @@ def banner(plan: Plan, start_step: int, shards: list[int]) -> str:
     if start_step:
         text += f"; resuming at iteration {start_step} from {config.model_dir}"
     return text
+
+
+class FitResult(dict):
+    """The result dict (the content of result.json), and `model`: the trained model."""
+
+    model = None
+
+
+def evaluate(trainer, spec: ModelSpec, data, batch_size: int) -> dict[str, float]:
+    """The compiled loss (with `model.losses`) and metrics over every example of `data`,
+    each batch split over the devices as the trainer splits a training batch."""
+    objective = spec.objective
+    objective.reset_metrics()
+    summed = 0.0
+    for batch in data_lib.eval_batches(data, batch_size):
+        loss, predictions = trainer.predict(batch)
+        summed += float(loss)
+        objective.update_metrics(batch, predictions)
+    regularization = sum(float(value) for value in trainer.model.losses)
+    return {"loss": summed / data_lib.size(data) + regularization, **objective.read_metrics()}
+
+
+def step_metrics(objective, metrics) -> dict[str, float]:
+    """The loss and compiled metrics of a step's global batch, on the host."""
+    from tfdp.objective import concat
+
+    if "batches" in metrics:  # per-replica batches (mirrored_input dataset)
+        batch = concat(metrics["batches"])
+    else:
+        batch = metrics["batch"]
+    values = objective.batch_metrics(batch, concat(metrics["predictions"]))
+    return {**values, "loss": float(metrics["loss"])}
+
+
+def described(values: dict[str, float], prefix: str = "") -> str:
+    """'accuracy 0.910000, loss 0.300000': the metrics first, as the tutorial prints them."""
+    names = [name for name in values if name != "loss"] + ["loss"]
+    return ", ".join(f"{prefix}{name} {values[name]:f}" for name in names if name in values)
 
 
 def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
@@ -362,11 +448,13 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
 
     config = plan.config
     batch = config.batch_size
-    trainer = build_trainer(config, plan.devices, plan.shards)
+    trainer = build_trainer(config, plan.devices, plan.shards, plan.spec)
     chief = getattr(trainer, "is_chief", True)  # multiworker: only the chief writes files
     auto_powers = None
     if config.mode == "multiworker" and config.powers == AUTO:
-        auto_powers = trainer.measure_powers()  # every worker gets the same partition
+        probe = max(1, batch // len(plan.devices))
+        # every worker gets the same partition
+        auto_powers = trainer.measure_powers(data_lib.first_examples(plan.train_data, probe))
         plan = dataclasses.replace(plan, shards=trainer.shards)
     checkpointer = make_checkpointer(config, trainer) if config.model_dir else None
     start_step = checkpointer.restore() if checkpointer else 0  # before anything is written
@@ -408,7 +496,7 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
     say(banner(plan, start_step, shards))
 
     history, evals, pending = [], [], []
-    metrics = None
+    metrics, last = None, None
     side_seconds = 0.0  # evaluation and checkpoints, left out of images/s
     first_step_seconds = 0.0
 
@@ -424,35 +512,38 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
                 + (f"state; the last good checkpoint is {kept}" if kept else "state")
             )
 
-    def evaluate(step):
-        accuracy = trainer.evaluate(plan.test_data)
-        evals.append({"iteration": step, "test_accuracy": accuracy})
-        say(f"iteration {step}, test accuracy {accuracy:f} ({len(plan.test_data)} examples)")
+    def run_evaluation(step):
+        if plan.test_data is None:
+            return
+        values = evaluate(trainer, plan.spec, plan.test_data, batch)
+        evals.append({"iteration": step, **{f"test_{k}": v for k, v in values.items()}})
+        say(
+            f"iteration {step}, {described(values, 'test ')} "
+            f"({data_lib.size(plan.test_data)} examples)"
+        )
         if summaries:
-            summaries.write_eval(step, accuracy)
+            summaries.write_eval(step, {f"test_{k}": v for k, v in values.items()})
 
     start = time.perf_counter()
     for iteration in range(start_step, plan.total_steps):
         metrics = trainer.train_step(iterator)
-        pending.append((iteration, metrics["loss_sum"]))
+        pending.append((iteration, metrics["loss"]))
         done = iteration + 1
         if iteration == start_step:
-            float(metrics["loss_sum"])  # wait for the first step: it includes tracing
+            float(metrics["loss"])  # wait for the first step: it includes tracing
             first_step_seconds = time.perf_counter() - start
         if iteration % config.log_every == 0 or done == plan.total_steps:
             check_finite()  # reading metrics waits for the device: only here
-            loss = float(metrics["loss_sum"]) / batch
-            accuracy = float(metrics["correct"]) / batch
+            last = step_metrics(plan.spec.objective, metrics)
             if iteration % config.log_every == 0:
-                history.append({"iteration": iteration, "accuracy": accuracy, "loss": loss})
-                say(f"iteration {iteration}, accuracy {accuracy:f}, loss {loss:f}")
+                history.append({"iteration": iteration, **last})
+                say(f"iteration {iteration}, {described(last)}")
                 if summaries:
                     elapsed = time.perf_counter() - start - side_seconds
                     summaries.write_train(
                         iteration,
                         {
-                            "loss": loss,
-                            "accuracy": accuracy,
+                            **last,
                             "learning_rate": config.learning_rate,
                             "images_per_second": (done - start_step) * batch / max(elapsed, 1e-9),
                             **{
@@ -464,10 +555,14 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
         if rebalancing and iteration > start_step:  # the first step has first-run costs
             rebalancing.observe(iteration, metrics["device_seconds"])
         if progress:
-            progress.update(done, metrics, force=done == plan.total_steps)
+            progress.update(
+                done,
+                lambda metrics=metrics: step_metrics(plan.spec.objective, metrics),
+                force=done == plan.total_steps,
+            )
         side_start = time.perf_counter()
         if config.eval_every and done % config.eval_every == 0 and done != plan.total_steps:
-            evaluate(done)
+            run_evaluation(done)
         if checkpointer and (done % config.checkpoint_every == 0 or done == plan.total_steps):
             check_finite()  # never save a state that came from a non-finite loss
             checkpointer.save(done)
@@ -484,59 +579,124 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
         else steps_run * batch / max(seconds, 1e-9)
     )
     say(
-        f"time for {steps_run} iterations of {config.model} on "
+        f"time for {steps_run} iterations of {plan.spec.name} on "
         f"{len(plan.devices)} {unit(config)}, mode {config.mode}: {seconds:f} sec "
         f"(first step {first_step_seconds:.2f} sec with tracing; then "
         f"{images_per_second:.0f} images/sec)"
     )
-    evaluate(plan.total_steps)
-    result = {
-        "mode": config.mode,
-        "model": config.model,
-        "dataset": config.dataset,
-        "devices": [short_name(d) for d in plan.devices],
-        "shards": shards,
-        "final_shards": list(trainer.shards),
-        "powers": config.powers if config.powers == AUTO else list(config.powers) or None,
-        "reduce": config.reduce if config.mode == "weighted" else None,
-        **split_info,
-        "rebalances": rebalancing.resplits if rebalancing else [],
-        "device_seconds": rebalancing.seconds() if rebalancing else None,
-        "batch_size": batch,
-        "iterations": plan.total_steps,
-        "start_iteration": start_step,
-        "steps_per_epoch": plan.steps_per_epoch,
-        "learning_rate": config.learning_rate,
-        "seed": config.seed,
-        "init": config.init,
-        "log": history,
-        "final_loss": float(metrics["loss_sum"]) / batch if metrics else None,
-        "final_accuracy": float(metrics["correct"]) / batch if metrics else None,
-        "test_accuracy": evals[-1]["test_accuracy"],
-        "evals": evals,
-        "seconds": seconds,
-        "first_step_seconds": first_step_seconds,
-        "images_per_second": images_per_second,
-        "model_dir": config.model_dir,
-        "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
-        "onednn": onednn.enabled(),
-        # threads one CPU kernel may use; 0: TensorFlow's default, every core
-        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
-        "chains": getattr(trainer, "chains", 1),
-    }
+    run_evaluation(plan.total_steps)
+    final = evals[-1] if evals else {}
+    result = FitResult(
+        {
+            "mode": config.mode,
+            "model": plan.spec.name,
+            "dataset": config.dataset,
+            "devices": [short_name(d) for d in plan.devices],
+            "shards": shards,
+            "final_shards": list(trainer.shards),
+            "powers": config.powers if config.powers == AUTO else list(config.powers) or None,
+            "reduce": config.reduce if config.mode == "weighted" else None,
+            **split_info,
+            "rebalances": rebalancing.resplits if rebalancing else [],
+            "device_seconds": rebalancing.seconds() if rebalancing else None,
+            "batch_size": batch,
+            "iterations": plan.total_steps,
+            "start_iteration": start_step,
+            "steps_per_epoch": plan.steps_per_epoch,
+            "learning_rate": config.learning_rate,
+            "optimizer": trainer.optimizer.__class__.__name__,
+            "seed": config.seed,
+            "init": config.init,
+            "log": history,
+            "final_loss": last["loss"] if last else None,
+            "final_accuracy": last.get("accuracy") if last else None,
+            "final_metrics": last,
+            "test_accuracy": final.get("test_accuracy"),
+            "test_metrics": {k[5:]: v for k, v in final.items() if k.startswith("test_")} or None,
+            "evals": evals,
+            "seconds": seconds,
+            "first_step_seconds": first_step_seconds,
+            "images_per_second": images_per_second,
+            "model_dir": config.model_dir,
+            "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
+            "onednn": onednn.enabled(),
+            # threads one CPU kernel may use; 0: TensorFlow's default, every core
+            "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
+            "chains": getattr(trainer, "chains", 1),
+        }
+    )
     if config.mode == "multiworker":
         result.update(trainer.worker_info())  # this worker: name, chief, examples per step
     if config.model_dir and chief:
         summaries.close()
-        export_model(config, trainer.get_weights(), os.path.join(config.model_dir, "model.keras"))
+        export_model(trainer.model, os.path.join(config.model_dir, "model.keras"))
         write_atomically(
             os.path.join(config.model_dir, "result.json"), json.dumps(result, indent=2) + "\n"
         )
     if config.mode == "multiworker":
         trainer.gather(0)  # a barrier: the workers leave together, after the chief's writes
+    result.model = trainer.model
     return result
 
 
 def train(config: Config, log: Callable[[str], None] = print) -> dict:
     """Validates, loads data and trains; returns the result dict."""
     return run(prepare(config), log)
+
+
+def fit(
+    model,
+    train_data,
+    validation_data=None,
+    *,
+    config: Config | None = None,
+    log: Callable[[str], None] = print,
+    **settings,
+) -> FitResult:
+    """Trains a user's Keras model on a user's data with tfdp's engine.
+
+        result = tfdp.fit(model, (x, y), validation_data=(x_val, y_val),
+                          mode="weighted", devices="gpu:0,cpu:0", powers="auto",
+                          batch_size=256, epochs=1)
+        result["test_metrics"]   # the compiled metrics on the validation data
+        result.model             # the trained model (also `model`, when one was given)
+
+    Args:
+      model: a compiled Keras 3 model (its loss, loss weights, optimizer and
+        metrics are used), or a function of no arguments that returns one;
+        tfdp builds one copy per device (in a strategy's scope where the mode
+        has one) and starts every copy from the same weights.
+      train_data, validation_data: what Keras `fit` takes as data: numpy arrays
+        or nested structures of them (`(x, y)`, `(x, y, sample_weight)`, dict
+        inputs), or an unbatched, finite `tf.data.Dataset` of such elements.
+        tfdp batches to the global batch and splits every leaf along it.
+      config: a `tfdp.Config`; or its fields as keywords (`mode`, `devices`,
+        `powers`, `batch_size`, `epochs` or `iterations`, `model_dir`,
+        `rebalance_every`, ...). `learning_rate` and `init` apply to the
+        built-in models only: a user's model brings its own optimizer and weights.
+      log: where the run's lines go.
+
+    Returns:
+      The result dict (what `result.json` holds), with the trained model as
+      `result.model`. When `model` is a Keras model, its weights are set to the
+      trained ones too, as Keras `fit` leaves them; with `model_dir`,
+      `model.keras` there is the trained model, loadable by `keras.models.load_model`.
+
+    Raises:
+      ConfigError: bad settings, data or model, before any training work.
+    """
+    if config is not None and settings:
+        raise ConfigError("config", config, f"and settings {sorted(settings)} both given; give one")
+    if config is None:
+        name = getattr(model, "name", getattr(model, "__name__", "model"))
+        try:
+            config = Config(**{"model": f"fit:{name}", "dataset": "fit:data", **settings})
+        except TypeError as error:  # an unknown keyword
+            raise ConfigError("settings", sorted(settings), str(error)) from None
+    plan = prepare(config, model=model, train_data=train_data, validation_data=validation_data)
+    result = run(plan, log)
+    import keras
+
+    if isinstance(model, keras.Model):
+        model.set_weights(result.model.get_weights())
+    return result

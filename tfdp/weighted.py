@@ -5,8 +5,10 @@ One model copy lives on each device. Per step:
      `split_batch`, and shard j is copied to device j;
   2. each device runs forward and backward on its shard;
   3. the gradients of devices 1..n-1 are copied to device 0 and summed there;
-  4. device 0 applies plain SGD to its weights;
+  4. device 0 applies the model's compiled optimizer (the tutorial: plain SGD)
+     to its weights, with the optimizer's slots kept there;
   5. device 0's new weights are copied to devices 1..n-1.
+Moving statistics (batch norm) are the copies' values weighted by their shards.
 With one device this is plain single-device training: no copies at all.
 
 The shard sizes live in a variable, so that a rebalanced split (balance.py)
@@ -16,35 +18,36 @@ every device took for its shard.
 
 from __future__ import annotations
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdp.data import eval_batches
 from tfdp.devices import split_batch
-from tfdp.steps import add_metrics, replica_correct, timed_replica_gradients
+from tfdp.objective import concat, num_examples
+from tfdp.steps import split, timed_replica_gradients
 
 
 class WeightedTrainer:
-    """Data-parallel SGD over devices of any kinds, with uneven shards."""
+    """Data-parallel training over devices of any kinds, with uneven shards."""
 
-    def __init__(
-        self, make_model, weights, devices, shards, learning_rate, slowdown=False, chains=1
-    ):
+    def __init__(self, spec, devices, shards, slowdown=False, chains=1, timed=True):
         """
         Args:
-          make_model: builds one fresh model copy.
-          weights: initial weights, set on every copy.
-          devices: canonical device names; devices[0] holds the master weights.
+          spec: the model (`models.ModelSpec`): a factory of compiled copies, the
+            initial weights every copy starts from, and the objective.
+          devices: canonical device names; devices[0] holds the master weights
+            and the optimizer's slots, and applies the update.
           shards: examples per device; they sum to the global batch.
-          learning_rate: plain SGD step size.
           slowdown: build the simulated slowdown in (delays set by `set_delays`).
           chains: how many side-by-side parts each device cuts its shard into
             (`steps.replica_gradients`).
+          timed: read each device's seconds in the step (for auto powers and
+            rebalancing); False leaves the host clock out of the step.
         """
         self.devices = list(devices)
         self.shards = list(shards)
         self.chains = chains
+        self.timed = timed
+        self.objective = spec.objective
         self.global_batch_size = sum(shards)
         with tf.device("/cpu:0"):  # the batch is split on the host
             self.shard_sizes = tf.Variable(shards, dtype=tf.int32, trainable=False)
@@ -56,14 +59,21 @@ class WeightedTrainer:
         self.models = []
         for device in self.devices:
             with tf.device(device):
-                model = make_model()
-                model.set_weights(weights)
+                model = spec.make()
+                model.set_weights(spec.weights)
             self.models.append(model)
         with tf.device(self.devices[0]):
-            self.optimizer = keras.optimizers.SGD(learning_rate)
+            self.optimizer = self.models[0].optimizer
             self.optimizer.build(self.models[0].trainable_variables)
+        # Variables the step changes besides the trainable ones (batch-norm moving
+        # statistics): combined over the copies after each step (`_combine_statistics`).
+        self._statistics = [
+            i
+            for i, w in enumerate(self.models[0].weights)
+            if not w.trainable and "float" in str(w.dtype)
+        ]
         self._train_step = tf.function(self._step)
-        self._eval_step = tf.function(self._correct, reduce_retracing=True)
+        self._predict_step = tf.function(self._predict, reduce_retracing=True)
         self._seconds_alone = tf.function(self._alone)
         self._seconds_together = tf.function(self._together)
 
@@ -72,47 +82,70 @@ class WeightedTrainer:
         return iter(dataset)
 
     def train_step(self, iterator):
-        """One SGD step on the next global batch; returns summed metrics."""
+        """One update on the next global batch; returns the loss, the outputs and times."""
         return self._train_step(iterator)
 
     def _step(self, iterator):
-        x, y = next(iterator)
-        gradients, metrics, seconds = self._shard_gradients(x, y)
+        batch = next(iterator)
+        shards = self._split(batch)
+        gradients, losses, predictions, seconds = self._shard_gradients(shards)
         master = self.models[0]
         with tf.device(self.devices[0]):
             summed = [tf.add_n(list(per_device)) for per_device in zip(*gradients)]
             self.optimizer.apply_gradients(zip(summed, master.trainable_variables))
-            metrics = add_metrics(metrics)
+            loss = tf.add_n(losses)
+        self._combine_statistics()
         self.sync_copies()
-        return {**metrics, "device_seconds": tf.stack(seconds)}
+        return {
+            "loss": loss,
+            "batch": batch,
+            "predictions": tuple(predictions),
+            "device_seconds": tf.stack(seconds),
+        }
 
-    def _shard_gradients(self, x, y):
-        """Every device's forward and backward on its shard of (x, y), side by side.
+    def _shard_gradients(self, shards):
+        """Every device's forward and backward on its shard, side by side.
 
-        Returns per-device lists: (gradients, metrics, seconds).
+        Returns per-device lists: (gradients, losses, predictions, seconds).
         """
         per_device = []
-        for i, (device, model, x_shard, y_shard) in enumerate(
-            zip(self.devices, self.models, self._split(x), self._split(y))
-        ):
+        for i, (device, model, shard) in enumerate(zip(self.devices, self.models, shards)):
             with tf.device(device):
                 per_device.append(
                     timed_replica_gradients(
                         model,
-                        x_shard,
-                        y_shard,
+                        self.objective,
+                        shard,
                         self.global_batch_size,
                         self._delay(i),
                         self.chains,
+                        self.timed,
                     )
                 )
         return tuple(list(column) for column in zip(*per_device))
 
-    def _split(self, tensor):
+    def _combine_statistics(self):
+        """Moving statistics (batch norm) on device 0 := the copies' values weighted by
+        their shards. Each copy moved its statistics toward its own shard's; the
+        weighted mean moves the master toward the whole batch's mean exactly (and
+        toward the shard-weighted mean of the shards' variances)."""
+        if len(self.devices) == 1 or not self._statistics:
+            return
+        fractions = tf.cast(self.shard_sizes, tf.float32) / self.global_batch_size
+        with tf.device(self.devices[0]):
+            for i in self._statistics:
+                values = [model.weights[i].value for model in self.models]
+                mean = tf.add_n(
+                    [tf.cast(fractions[j], v.dtype) * v for j, v in enumerate(values)]
+                )
+                self.models[0].weights[i].assign(mean)
+
+    def _split(self, batch, sizes=None):
         """A global batch -> one shard per device, of the current sizes."""
         if len(self.devices) == 1:
-            return [tensor]
-        return tf.split(tensor, self.shard_sizes, num=len(self.devices))
+            return [batch]
+        sizes = self.shard_sizes if sizes is None else sizes
+        return split(batch, sizes, len(self.devices))
 
     def _delay(self, index):
         return None if self.delays is None else self.delays[index]
@@ -128,24 +161,24 @@ class WeightedTrainer:
         """Simulated slowdown: seconds of sleep per example, per device."""
         self.delays.assign(delays)
 
-    def seconds_alone(self, x, y, index: int) -> float:
-        """Device `index`'s seconds for forward and backward on (x, y), the others idle."""
-        return float(self._seconds_alone(x, y, index))
+    def seconds_alone(self, batch, index: int) -> float:
+        """Device `index`'s seconds for forward and backward on `batch`, the others idle."""
+        return float(self._seconds_alone(batch, index))
 
-    def seconds_together(self, x, y):
+    def seconds_together(self, batch):
         """Each device's seconds for forward and backward on its shard of the global
-        batch (x, y), all devices at once as in a step, without an update."""
-        return self._seconds_together(x, y)
+        batch, all devices at once as in a step, without an update."""
+        return self._seconds_together(batch)
 
-    def _together(self, x, y):
-        return tf.stack(self._shard_gradients(x, y)[2])
+    def _together(self, batch):
+        return tf.stack(self._shard_gradients(self._split(batch))[3])
 
-    def _alone(self, x, y, index):
+    def _alone(self, batch, index):
         with tf.device(self.devices[index]):
-            _, _, seconds = timed_replica_gradients(
+            *_, seconds = timed_replica_gradients(
                 self.models[index],
-                x,
-                y,
+                self.objective,
+                batch,
                 self.global_batch_size,
                 self._delay(index),
                 self.chains,
@@ -159,29 +192,31 @@ class WeightedTrainer:
                 for target, source in zip(model.weights, self.models[0].weights):
                     target.assign(source.value)
 
-    def evaluate(self, arrays) -> float:
-        """Accuracy on `arrays`, each batch split over the devices like a training batch."""
-        correct = 0.0
-        for x, y in eval_batches(arrays, self.global_batch_size):
-            n = int(x.shape[0])
-            # A partial last batch is split in the training proportions.
-            sizes = (
-                split_batch(n, self.shards)
-                if n >= len(self.shards)
-                else [n] + [0] * (len(self.shards) - 1)
-            )
-            correct += float(self._eval_step(x, y, tuple(sizes)))
-        return correct / len(arrays)
+    def predict(self, batch):
+        """The outputs and summed loss of an evaluation batch, split over the devices
+        like a training batch (a partial batch in the training proportions)."""
+        n = int(num_examples(batch))
+        sizes = (
+            split_batch(n, self.shards)
+            if n >= len(self.shards)
+            else [n] + [0] * (len(self.shards) - 1)
+        )
+        summed, predictions = self._predict_step(batch, tuple(sizes))
+        return summed, concat(predictions)
 
-    def _correct(self, x, y, sizes):
-        counts = []
-        for device, model, x_shard, y_shard in zip(
-            self.devices, self.models, tf.split(x, sizes), tf.split(y, sizes)
+    def _predict(self, batch, sizes):
+        losses, outputs = [], []
+        for device, model, shard, size in zip(
+            self.devices, self.models, self._split(batch, list(sizes)), sizes
         ):
+            if size == 0:
+                continue
             with tf.device(device):
-                counts.append(replica_correct(model, x_shard, y_shard))
+                loss, predictions = self.objective.summed_loss(model, shard)
+            losses.append(loss)
+            outputs.append(predictions)
         with tf.device(self.devices[0]):
-            return tf.add_n(counts)
+            return tf.add_n(losses), outputs
 
     def set_weights(self, weights) -> None:
         """Sets `weights` on every copy."""
