@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tfdp.devices import even_split, split_batch
 from tfdp.objective import concat, num_examples
-from tfdp.steps import split, timed_replica_gradients
+from tfdp.steps import clip_before_all_reduce, split, timed_replica_gradients
 
 _strategies_made = itertools.count(1)
 
@@ -139,8 +139,8 @@ class MirroredTrainer:
 
     def _replica_step(self, batch):
         gradients, loss, predictions, seconds = self._timed_gradients(batch)
-        # Inside a replica, the optimizer all-reduces (sums) the gradients first;
-        # clipping by norm acts on the sum.
+        gradients = clip_before_all_reduce(self.optimizer, gradients)
+        # Inside a replica, the optimizer all-reduces (sums) the gradients, then updates.
         self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
         return loss, predictions, seconds
 

@@ -208,11 +208,12 @@ class MultiWorkerTrainer:
         }
 
     def _replica_step(self, batch):
-        from tfdp.steps import replica_gradients
+        from tfdp.steps import clip_before_all_reduce, replica_gradients
 
         gradients, loss, predictions = replica_gradients(
             self.model, self.objective, batch, self.global_batch_size
         )
+        gradients = clip_before_all_reduce(self.optimizer, gradients)
         # Inside a replica, the optimizer all-reduces (sums) the gradients over all workers.
         self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
         return loss, predictions

@@ -1,0 +1,253 @@
+"""A user's own compiled Keras model through the engine: every mode makes the update
+plain Keras makes on the whole global batch (its compiled loss with sample weights,
+model.losses, its optimizer with global clipping), and bad models and data are
+refused before any work."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import CPUS
+
+import tfdp
+from tfdp import Config, ConfigError
+from tfdp.data import train_dataset
+from tfdp.models import model_spec
+from tfdp.training import build_trainer, partition, step_metrics
+
+BATCH = 60
+SEED = 3
+EXAMPLES = 240
+
+
+def two_input_model(batch_norm=None):
+    """A functional model with two dict inputs, L2 regularisers, Adam with global_clipnorm."""
+    keras.utils.set_random_seed(7)
+    a = keras.Input((6,), name="a")
+    b = keras.Input((4,), name="b")
+    h = keras.layers.Concatenate()(
+        [
+            keras.layers.Dense(16, activation="tanh", kernel_regularizer="l2")(a),
+            keras.layers.Dense(8, activation="relu")(b),
+        ]
+    )
+    if batch_norm is not None:
+        h = keras.layers.BatchNormalization(synchronized=batch_norm)(h)
+    out = keras.layers.Dense(3, kernel_regularizer=keras.regularizers.L2(0.05))(h)
+    model = keras.Model({"a": a, "b": b}, out, name="two_inputs")
+    model.compile(
+        # a small clip, so that clipping acts on these steps
+        optimizer=keras.optimizers.Adam(0.01, global_clipnorm=0.05),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    x = {
+        "a": rng.normal(size=(EXAMPLES, 6)).astype(np.float32),
+        "b": rng.normal(size=(EXAMPLES, 4)).astype(np.float32),
+    }
+    y = rng.integers(0, 3, EXAMPLES).astype(np.int32)
+    sample_weight = rng.uniform(0.2, 2.0, EXAMPLES).astype(np.float32)
+    return x, y, sample_weight
+
+
+def train_steps(mode, devices, powers, steps, data, make=two_input_model, **options):
+    config = Config(
+        mode=mode,
+        model="test:two_inputs",
+        dataset="test:data",
+        devices=",".join(devices),
+        powers=powers,
+        batch_size=BATCH,
+        seed=SEED,
+        **options,
+    )
+    spec = model_spec(make, {"train_data": tfdp_first(data)})
+    trainer = build_trainer(config, devices, partition(config, devices), spec)
+    iterator = trainer.distribute(train_dataset(data, BATCH, SEED))
+    for _ in range(steps):
+        metrics = trainer.train_step(iterator)
+    return trainer, step_metrics(trainer.objective, metrics)
+
+
+def tfdp_first(data, count=2):
+    return tf.nest.map_structure(lambda leaf: tf.constant(leaf[:count]), data)
+
+
+def keras_reference(steps, data, make=two_input_model):
+    """Plain Keras: train_on_batch on the same global batches, from the same weights."""
+    model = make()
+    batches = iter(train_dataset(data, BATCH, SEED))
+    for _ in range(steps):
+        x, y, sample_weight = next(batches)
+        logs = model.train_on_batch(x, y, sample_weight=sample_weight, return_dict=True)
+    return model, logs
+
+
+CASES = [
+    ("mirrored", CPUS[:2], (), {}),
+    ("mirrored", CPUS[:3], (), {}),  # 60 = 20 + 20 + 20 (3 steps)
+    ("weighted", CPUS[:2], (1, 5), {}),
+    ("weighted", CPUS[:4], (3, 1, 1, 1), {}),
+    ("weighted", CPUS[:2], (1, 5), {"reduce": "allreduce"}),
+    ("weighted", CPUS[:4], (3, 1, 1, 1), {"reduce": "allreduce"}),
+]
+
+
+@pytest.fixture(scope="module")
+def reference(data):
+    return {steps: train_steps("single", CPUS[:1], (), steps, data) for steps in (1, 3)}
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_single_is_plain_keras(steps, data, reference):
+    trainer, metrics = reference[steps]
+    model, logs = keras_reference(steps, data)
+    start = two_input_model().get_weights()
+    moved = [np.abs(w - w0).max() for w, w0 in zip(model.get_weights(), start)]
+    assert min(moved) > 1e-4  # every variable moved: the comparison is not vacuous
+    for got, expected in zip(trainer.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    # train_on_batch reports the loss before its update: the same batch, the same loss
+    assert metrics["loss"] == pytest.approx(float(logs["loss"]), rel=1e-5)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("mode, devices, powers, options", CASES)
+def test_every_mode_makes_the_single_update(mode, devices, powers, options, steps, data, reference):
+    trainer, metrics = train_steps(mode, devices, powers, steps, data, **options)
+    expected_trainer, expected = reference[steps]
+    for got, want in zip(trainer.get_weights(), expected_trainer.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert metrics["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    assert metrics["accuracy"] == expected["accuracy"]
+
+
+def test_clipping_acts_on_the_summed_gradient(data):
+    """With clipping per shard, the update would depend on the split."""
+    trainer, _ = train_steps("weighted", CPUS[:2], (1, 5), 1, data)
+    unclipped = lambda: two_input_model_with(keras.optimizers.Adam(0.01))  # noqa: E731
+    free, _ = train_steps("weighted", CPUS[:2], (1, 5), 1, data, make=unclipped)
+    # Adam's first step moves each weight by about lr x sign: clipping shows in the moments
+    assert not np.allclose(
+        trainer.optimizer.variables[2].numpy(), free.optimizer.variables[2].numpy()
+    )
+
+
+def two_input_model_with(optimizer):
+    model = two_input_model()
+    model.compile(optimizer=optimizer, loss=model.loss, metrics=["accuracy"])
+    return model
+
+
+def test_synchronized_batch_norm_is_exact_in_mirrored(data):
+    make = lambda: two_input_model(batch_norm=True)  # noqa: E731
+    single, _ = train_steps("single", CPUS[:1], (), 2, data, make=make)
+    for devices, powers, options in (
+        (CPUS[:3], (), {"mode": "mirrored"}),
+        (CPUS[:2], (1, 5), {"mode": "weighted", "reduce": "allreduce"}),
+    ):
+        mode = options.pop("mode")
+        trainer, _ = train_steps(mode, devices, powers, 2, data, make=make, **options)
+        for got, want in zip(trainer.get_weights(), single.get_weights(), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_weighted_batch_norm_keeps_the_whole_batch_moving_mean(data):
+    """Per-shard batch statistics change the forward pass, but the moving mean after the
+    first step is the whole batch's, however the batch was split."""
+    make = lambda: two_input_model(batch_norm=False)  # noqa: E731
+    single, _ = train_steps("single", CPUS[:1], (), 1, data, make=make)
+    weighted, _ = train_steps("weighted", CPUS[:2], (1, 3), 1, data, make=make)
+    names = [w.path for w in single.model.weights]
+    moving_mean = next(i for i, name in enumerate(names) if name.endswith("moving_mean"))
+    got, want = weighted.get_weights()[moving_mean], single.get_weights()[moving_mean]
+    assert np.abs(want).max() > 1e-3  # it moved
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fit_trains_a_model_object_in_place(data, tmp_path):
+    model = two_input_model()
+    start = model.get_weights()
+    x, y, sample_weight = data
+    result = tfdp.fit(
+        model,
+        (x, y, sample_weight),
+        validation_data=(x, y),
+        mode="weighted",
+        devices="cpu:0,cpu:1",
+        powers=(1, 2),
+        batch_size=BATCH,
+        iterations=8,
+        model_dir=str(tmp_path / "run"),
+        log=lambda line: None,
+    )
+    assert result["model"] == "two_inputs" and result["iterations"] == 8
+    assert result["optimizer"] == "Adam"
+    assert set(result["test_metrics"]) == {"loss", "accuracy"}
+    trained = result.model.get_weights()
+    for got, want in zip(model.get_weights(), trained, strict=True):
+        np.testing.assert_array_equal(got, want)  # the user's model holds the trained weights
+    assert any(np.abs(w - w0).max() > 1e-4 for w, w0 in zip(trained, start))
+    # model.keras is the user's model, loadable by plain Keras, with the trained weights
+    loaded = keras.models.load_model(tmp_path / "run" / "model.keras")
+    for got, want in zip(loaded.get_weights(), trained, strict=True):
+        np.testing.assert_array_equal(got, want)
+    # the validation metrics are Keras' own evaluation of the trained model
+    logs = model.evaluate(x, y, batch_size=BATCH, return_dict=True, verbose=0)
+    assert result["test_metrics"]["accuracy"] == pytest.approx(logs["accuracy"], abs=1e-6)
+    assert result["test_metrics"]["loss"] == pytest.approx(logs["loss"], rel=1e-4)
+
+
+def test_fit_takes_an_unbatched_dataset_and_a_factory(data):
+    x, y, _ = data
+    dataset = tf.data.Dataset.from_tensor_slices((x, y))
+    result = tfdp.fit(
+        two_input_model,
+        dataset,
+        mode="mirrored",
+        devices="cpu:0,cpu:1",
+        batch_size=BATCH,
+        iterations=2,
+        log=lambda line: None,
+    )
+    assert result["iterations"] == 2 and result["test_metrics"] is None
+    assert result.model.name == "two_inputs"
+
+
+def uncompiled():
+    model = two_input_model()
+    return keras.Model(model.inputs, model.outputs)
+
+
+@pytest.mark.parametrize(
+    "model, train, field, words",
+    [
+        (uncompiled, None, "model", "is not a compiled Keras model"),
+        (lambda: 3, None, "model", "returned int, not a compiled Keras model"),
+        (two_input_model, "short", "train_data", "leaves of different lengths"),
+        (two_input_model, "labels", "train_data", "labels do not fit the model's outputs"),
+        (two_input_model, "inputs", "train_data", "does not fit the model's inputs"),
+    ],
+)
+def test_bad_models_and_data_are_refused_before_training(model, train, field, words, data):
+    x, y, _ = data
+    if train == "short":
+        train = (x, y[:-1])
+    elif train == "labels":
+        train = (x, np.zeros((EXAMPLES, 5), np.float32))  # one-hot of 5 classes for 3 outputs
+    elif train == "inputs":
+        train = ({"a": x["a"]}, y)
+    else:
+        train = (x, y)
+    lines = []
+    with pytest.raises(ConfigError) as raised:
+        tfdp.fit(model, train, batch_size=BATCH, iterations=1, log=lines.append)
+    assert raised.value.field == field
+    assert words in raised.value.reason
+    assert lines == []  # nothing ran
