@@ -251,3 +251,103 @@ def test_bad_models_and_data_are_refused_before_training(model, train, field, wo
     assert raised.value.field == field
     assert words in raised.value.reason
     assert lines == []  # nothing ran
+
+
+USER_FILE = '''
+import keras
+import numpy as np
+
+
+def compiled():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)], name="tiny")
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def uncompiled():
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+
+
+def not_a_model():
+    return "a string"
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0).astype(np.int32)
+    return (x, y), (x[:50], y[:50])
+
+
+def ragged():
+    x = np.zeros((200, 4), np.float32)
+    return (x, np.zeros(199, np.int32)), None
+
+
+def wide_labels():
+    x = np.zeros((200, 4), np.float32)
+    return (x, np.zeros((200, 7), np.float32)), None
+'''
+
+
+@pytest.fixture(scope="module")
+def user_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("user") / "user_model.py"
+    path.write_text(USER_FILE)
+    return path
+
+
+def test_cli_trains_a_model_and_dataset_named_by_module_and_function(user_file, tmp_path):
+    from conftest import tfdp as run_tfdp
+
+    result = tmp_path / "result.json"
+    process = run_tfdp(
+        f"--model={user_file}:compiled",
+        f"--dataset={user_file}:data",
+        "--mode=weighted",
+        "--logical_cpus=2",
+        "--powers=1,3",
+        "--batch_size=40",
+        "--iterations=30",
+        f"--result_json={result}",
+    )
+    assert process.returncode == 0, process.stderr
+    import json
+
+    saved = json.loads(result.read_text())
+    assert saved["model"] == "tiny" and saved["shards"] == [10, 30]
+    assert saved["optimizer"] == "Adam"
+    assert saved["test_metrics"]["accuracy"] > 0.6  # it learns (chance: about 0.4)
+    assert f"iteration 30, test accuracy {saved['test_accuracy']:f}" in process.stdout
+
+
+@pytest.mark.parametrize(
+    "model, dataset, words",
+    [
+        ("{f}:missing", "{f}:data", "--model={f}:missing: {f} has no function missing"),
+        ("nowhere_module_xyz:make", "{f}:data", "--model=nowhere_module_xyz:make: cannot import"),
+        ("{f}:uncompiled", "{f}:data", "is not a compiled Keras model"),
+        ("{f}:not_a_model", "{f}:data", "returned str, not a compiled Keras model"),
+        ("{f}:compiled", "{f}:ragged", "has leaves of different lengths [199, 200]"),
+        ("{f}:compiled", "{f}:wide_labels", "labels do not fit the model's outputs"),
+    ],
+)
+def test_cli_refuses_bad_user_models_and_data(model, dataset, words, user_file, tmp_path):
+    from conftest import own_stderr_lines
+    from conftest import tfdp as run_tfdp
+
+    result = tmp_path / "result.json"
+    process = run_tfdp(
+        "--model=" + model.format(f=user_file),
+        "--dataset=" + dataset.format(f=user_file),
+        "--batch_size=40",
+        "--iterations=2",
+        f"--model_dir={tmp_path / 'run'}",
+        f"--result_json={result}",
+    )
+    assert process.returncode == 2, process.stderr
+    lines = own_stderr_lines(process)
+    assert len(lines) == 1 and lines[0].startswith("tfdp: error: --"), lines
+    assert words.format(f=user_file) in lines[0]
+    assert not result.exists() and not (tmp_path / "run").exists()  # nothing written

@@ -42,7 +42,8 @@ class Progress:
         rate = done / (now - self.start_time) if done else 0.0
         eta = (self.total_steps - step) / rate if rate else 0.0
         values = metrics() if callable(metrics) else metrics
-        shown = " | ".join(f"{name} {float(value):.4f}" for name, value in values.items())
+        names = sorted(values, key=lambda name: name != "loss")  # the loss first
+        shown = " | ".join(f"{name} {float(values[name]):.4f}" for name in names)
         line = (
             f"step {step}/{self.total_steps} | {shown} | "
             f"{rate * self.batch_size:.0f} images/s | ETA {format_duration(eta)}"
