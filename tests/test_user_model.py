@@ -351,3 +351,13 @@ def test_cli_refuses_bad_user_models_and_data(model, dataset, words, user_file, 
     assert len(lines) == 1 and lines[0].startswith("tfdp: error: --"), lines
     assert words.format(f=user_file) in lines[0]
     assert not result.exists() and not (tmp_path / "run").exists()  # nothing written
+
+
+def test_help_lists_tfdps_flags():
+    from conftest import tfdp as run_tfdp
+
+    process = run_tfdp("--help")
+    assert process.returncode == 0, process.stderr
+    for flag in ("--mode:", "--powers:", "--batch_size:", "--model:", "--dataset:"):
+        assert flag in process.stdout, flag
+    assert "MODULE:FUNCTION" in process.stdout

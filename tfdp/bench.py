@@ -181,6 +181,7 @@ def measure_multiworker(spec: Spec, job: dict) -> dict:
 def time_tutorial_run(trainer, config, arrays, job: dict) -> dict:
     """Warms up, resets the weights and the input, then times the tutorial's run."""
     from tfdp.data import train_dataset
+    from tfdp.training import step_metrics
 
     shards = trainer.shards
     initial = trainer.get_weights()
@@ -191,8 +192,8 @@ def time_tutorial_run(trainer, config, arrays, job: dict) -> dict:
         for i in range(iterations):
             metrics = trainer.train_step(iterator)
             if i % 10 == 0:
-                log[i] = metrics["correct"]  # read after the clock stops
-        float(metrics["loss_sum"])  # wait for the last step
+                log[i] = metrics  # read after the clock stops
+        float(metrics["loss"])  # wait for the last step
         return log, time.perf_counter()  # the steps are done; the iterator is not yet deleted
 
     tutorial_run(job["warmup"])
@@ -201,7 +202,7 @@ def time_tutorial_run(trainer, config, arrays, job: dict) -> dict:
     start = time.perf_counter()
     log, steps_done = tutorial_run(job["iterations"])
     seconds = time.perf_counter() - start
-    accuracy = {i: float(c) / config.batch_size for i, c in log.items()}
+    accuracy = {i: step_metrics(trainer.objective, m)["accuracy"] for i, m in log.items()}
     return {
         "seconds": seconds,
         **steps_only(steps_done - start, job),

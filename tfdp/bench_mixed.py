@@ -112,9 +112,9 @@ def calibrate(job: dict) -> dict:
     _set_up_process(job)
     config, trainer = _build("device0", {**job, "delays": None})
     slowdown = parse_slowdown(config.simulate_slowdown)
-    x, y = first_examples(load_arrays(job), config.batch_size // len(trainer.devices))
+    batch = first_examples(load_arrays(job), config.batch_size // len(trainer.devices))
     factors = [slowdown.get(d, 1.0) for d in trainer.devices]
-    return {"delays": calibrate_slowdown(trainer, x, y, factors)}
+    return {"delays": calibrate_slowdown(trainer, batch, factors)}
 
 
 def measure_round(job: dict) -> list[dict]:
@@ -154,11 +154,10 @@ def measure(spec: MixedSpec, config, trainer, arrays, job: dict) -> dict:
     probe_seconds, powers, alone_shards = 0.0, None, None
     if spec.powers == "auto":
         start = time.perf_counter()
-        x, y = first_examples(arrays, batch // len(trainer.devices))
-        powers = measure_powers(trainer, x, y)
+        powers = measure_powers(trainer, first_examples(arrays, batch // len(trainer.devices)))
         alone_shards = whole_shares(batch, powers)
         trainer.set_shards(alone_shards)
-        probe = settle_under_load(trainer, *first_examples(arrays, batch), log=lambda line: None)
+        probe = settle_under_load(trainer, first_examples(arrays, batch), log=lambda line: None)
         start_shards = list(trainer.shards)
         probe_seconds = time.perf_counter() - start
     else:
@@ -170,12 +169,12 @@ def measure(spec: MixedSpec, config, trainer, arrays, job: dict) -> dict:
         middle = None
         for i in range(iterations):
             if i and i == iterations // 2:
-                float(metrics["loss_sum"])  # wait for the first half
+                float(metrics["loss"])  # wait for the first half
                 middle = time.perf_counter()
             metrics = trainer.train_step(iterator)
             if rebalancing:
                 rebalancing.observe(i, metrics["device_seconds"])
-        float(metrics["loss_sum"])  # wait for the last step
+        float(metrics["loss"])  # wait for the last step
         return middle
 
     trainer.set_shards(start_shards)

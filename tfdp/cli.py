@@ -1,10 +1,13 @@
-"""The `tfdp` command: absl flags -> Config -> train -> result JSON.
+"""tfdp: data-parallel training over unequal devices (GPUs, CPUs, several machines).
 
-The only module that reads FLAGS. Examples:
+Examples:
 
   tfdp --mode=mirrored --logical_cpus=4 --devices=all
   tfdp --mode=weighted --model=toy --logical_cpus=2 --devices=cpu:0,cpu:1 --powers=1,5 --batch_size=100
+  tfdp --model=examples/mnist_cnn.py:make_model --mode=weighted --powers=auto --epochs=1
 """
+
+# absl flags -> Config -> train -> result JSON; the only module that reads FLAGS.
 
 from __future__ import annotations
 
@@ -326,7 +329,14 @@ def _intra_op_threads(config: Config) -> int:
     return default_intra_op_threads(config, FLAGS.logical_cpus, gpus, os.cpu_count() or 1)
 
 
+HELP_ARGUMENTS = ("--help", "-h", "--helpshort", "-?")
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
+    if any(argument in HELP_ARGUMENTS for argument in argv[1:]):
+        # absl's --help lists only __main__'s key flags, which a console script has none of.
+        print((__doc__ or "").strip() + "\n\nflags:\n" + FLAGS.module_help(__name__))
+        sys.exit(0)
     try:
         return FLAGS(argv)
     except flags.Error as error:  # unknown flag, bad enum or number: absl names the flag

@@ -172,6 +172,7 @@ class MultiWorkerTrainer:
         self._train_step = tf.function(self._step)
         self._predict_step = tf.function(self._predict, reduce_retracing=True)
         self._sum = tf.function(lambda values: strategy.reduce("SUM", values, axis=None))
+        self._all_gather = tf.function(self._gather_slices, reduce_retracing=True)
 
     def distribute(self, dataset):
         """The iterator `train_step` reads: this worker's slice of every global batch."""
@@ -217,6 +218,28 @@ class MultiWorkerTrainer:
         # Inside a replica, the optimizer all-reduces (sums) the gradients over all workers.
         self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
         return loss, predictions
+
+    def global_outputs(self, metrics) -> dict:
+        """A step's `metrics` with every worker's slices of the batch and outputs joined
+        in worker order: the global batch's (one all-gather; every worker must call it
+        on the same steps, as the loop does on logged steps)."""
+        from tfdp.objective import concat
+
+        joined = self._all_gather((concat(metrics["batches"]), concat(metrics["predictions"])))
+        batch, predictions = joined
+        return {**metrics, "batches": (batch,), "predictions": (predictions,)}
+
+    def _gather_slices(self, local):
+        # One replica per worker on CPUs; with several local GPUs, the first local
+        # replica carries the worker's slice and the others an empty one.
+        def value(context):
+            first = context.replica_id_in_sync_group % self.local_replicas == 0
+            return self.tf.nest.map_structure(lambda t: t if first else t[:0], local)
+
+        per_replica = self.strategy.experimental_distribute_values_from_function(value)
+        return self.tf.nest.map_structure(
+            lambda v: self.strategy.gather(v, axis=0), per_replica
+        )
 
     def predict(self, batch):
         """The outputs and summed loss of an evaluation batch, computed by this worker

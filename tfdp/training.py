@@ -534,6 +534,8 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
             first_step_seconds = time.perf_counter() - start
         if iteration % config.log_every == 0 or done == plan.total_steps:
             check_finite()  # reading metrics waits for the device: only here
+            if hasattr(trainer, "global_outputs"):  # multiworker: join the workers' slices
+                metrics = trainer.global_outputs(metrics)
             last = step_metrics(plan.spec.objective, metrics)
             if iteration % config.log_every == 0:
                 history.append({"iteration": iteration, **last})
