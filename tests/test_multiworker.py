@@ -304,3 +304,77 @@ def test_launch_fails_when_a_worker_fails(tmp_path):
             for line in worker_lines(process.stderr, worker)
         )
     assert "tfdp-launch: worker " in process.stderr
+
+
+USER_MODEL = '''
+import keras
+import numpy as np
+
+
+def model():
+    keras.utils.set_random_seed(7)
+    a, b = keras.Input((6,), name="a"), keras.Input((4,), name="b")
+    h = keras.layers.Concatenate()([
+        keras.layers.Dense(16, activation="tanh", kernel_regularizer="l2")(a),
+        keras.layers.Dense(8, activation="relu")(b),
+    ])
+    out = keras.layers.Dense(3, kernel_regularizer=keras.regularizers.L2(0.05))(h)
+    m = keras.Model({"a": a, "b": b}, out, name="two_inputs")
+    m.compile(optimizer=keras.optimizers.Adam(0.01, global_clipnorm=0.05),
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              metrics=["accuracy"])
+    return m
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = {"a": rng.normal(size=(240, 6)).astype(np.float32),
+         "b": rng.normal(size=(240, 4)).astype(np.float32)}
+    y = rng.integers(0, 3, 240).astype(np.int32)
+    weights = rng.uniform(0.2, 2.0, 240).astype(np.float32)
+    return (x, y, weights), (x, y)
+'''
+
+
+def test_two_workers_make_the_single_update_for_a_user_model(tmp_path):
+    """Dict inputs, L2, Adam with global clipping and sample weights, over 2 workers."""
+    source = tmp_path / "user.py"
+    source.write_text(USER_MODEL)
+    steps = [
+        f"--model={source}:model",
+        f"--dataset={source}:data",
+        "--batch_size=60",
+        "--iterations=3",
+        "--progress=never",
+    ]
+    single = tfdp(*steps, f"--model_dir={tmp_path / 'single'}")
+    assert single.returncode == 0, single.stderr
+    workers = launch(*steps, "--powers=1,3", f"--model_dir={tmp_path / 'workers'}")
+    assert workers.returncode == 0, workers.stderr
+    assert "global batch 60 = 15 + 45 over 2 worker(s)" in workers.stdout
+    got, expected = exported_weights(tmp_path / "workers", tmp_path / "single")
+    start = [np.asarray(w) for w in exported_start(source)]
+    assert min(np.abs(w - w0).max() for w, w0 in zip(expected, start)) > 1e-4  # all moved
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+    assert result(str(tmp_path / "workers"))["test_metrics"] == pytest.approx(
+        result(str(tmp_path / "single"))["test_metrics"], rel=1e-5
+    )
+
+
+def exported_start(source):
+    code = (
+        "import sys, numpy, importlib.util\n"
+        "spec = importlib.util.spec_from_file_location('user', sys.argv[1])\n"
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+        "numpy.savez(sys.argv[1] + '.start.npz', *module.model().get_weights())\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, str(source)],
+        check=True,
+        capture_output=True,
+        env=environment(),
+        timeout=120,
+    )
+    with np.load(f"{source}.start.npz") as arrays:
+        return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
