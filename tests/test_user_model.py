@@ -361,3 +361,49 @@ def test_help_lists_tfdps_flags():
     for flag in ("--mode:", "--powers:", "--batch_size:", "--model:", "--dataset:"):
         assert flag in process.stdout, flag
     assert "MODULE:FUNCTION" in process.stdout
+
+
+def mixed_model(policy):
+    """The two-input model computing in `policy` (its variables stay float32)."""
+
+    def make():
+        keras.utils.set_random_seed(7)
+        a = keras.Input((6,), name="a")
+        b = keras.Input((4,), name="b")
+        h = keras.layers.Concatenate(dtype=policy)(
+            [
+                keras.layers.Dense(16, activation="tanh", dtype=policy)(a),
+                keras.layers.Dense(8, activation="relu", dtype=policy)(b),
+            ]
+        )
+        out = keras.layers.Dense(3, dtype=policy, kernel_regularizer="l2")(h)
+        out = keras.layers.Activation("linear", dtype="float32")(out)  # float32 logits
+        model = keras.Model({"a": a, "b": b}, out, name=f"two_inputs_{policy}")
+        optimizer = keras.optimizers.Adam(0.01)
+        if policy == "mixed_float16":
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        model.compile(
+            optimizer=optimizer,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+        return model
+
+    return make
+
+
+@pytest.mark.parametrize(
+    "policy, tolerance", [("mixed_bfloat16", 2e-2), ("mixed_float16", 2e-3)]
+)
+def test_mixed_precision_makes_the_same_update_in_every_mode(policy, tolerance, data):
+    make = mixed_model(policy)
+    single, _ = train_steps("single", CPUS[:1], (), 3, data, make=make)
+    model, _ = keras_reference(3, data, make=make)
+    start = make().get_weights()
+    assert min(np.abs(w - w0).max() for w, w0 in zip(model.get_weights(), start)) > 1e-3
+    for got, want in zip(single.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
+    for mode, devices, powers in (("mirrored", CPUS[:2], ()), ("weighted", CPUS[:2], (1, 3))):
+        trainer, _ = train_steps(mode, devices, powers, 3, data, make=make)
+        for got, want in zip(trainer.get_weights(), single.get_weights(), strict=True):
+            np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
