@@ -251,12 +251,12 @@ def test_train_batches_full_typed_and_scaled():
     images = np.full((10, 28, 28, 1), 255, np.uint8)
     images[3] = 51
     arrays = data.Arrays(images=images, labels=np.arange(10, dtype=np.int32) % 10)
-    dataset = data.train_dataset(arrays, batch_size=4, seed=0)
-    assert dataset.element_spec[0].shape == (4, 28, 28, 1)
+    dataset = data.train_dataset(arrays, batch_size=5, seed=0)
+    assert dataset.element_spec[0].shape == (5, 28, 28, 1)  # static: no partial batch
     batches = take(dataset, 7)  # beyond 2 epochs: the stream is infinite
     for x, y in batches:
-        assert x.dtype == np.float32 and x.shape == (4, 28, 28, 1)
-        assert y.dtype == np.int32 and y.shape == (4,)
+        assert x.dtype == np.float32 and x.shape == (5, 28, 28, 1)
+        assert y.dtype == np.int32 and y.shape == (5,)
         assert set(np.unique(x)) <= {1.0, np.float32(0.2)}
         np.testing.assert_array_equal(x[:, 0, 0, 0], np.where(y == 3, np.float32(0.2), 1.0))
 
@@ -270,7 +270,7 @@ def test_train_features_pass_unchanged():
 
 def test_train_order_follows_stateless_shuffle_per_epoch():
     n, batch, spe = 23, 5, 4  # 3 examples dropped per epoch
-    batches = take(data.train_dataset(indexed_arrays(n), batch, seed=7), 3 * spe)
+    batches = take(data.train_dataset(indexed_arrays(n), batch, seed=7, drop_remainder=True), 3 * spe)
     got = np.concatenate([y for _, y in batches]).reshape(3, spe * batch)
     for epoch in range(3):
         np.testing.assert_array_equal(got[epoch], shuffled(n, 7, epoch)[: spe * batch])
@@ -291,7 +291,7 @@ def test_train_deterministic_and_seed_dependent():
 
 @pytest.mark.parametrize("start_step", [1, 4, 5, 11])
 def test_train_start_step_resumes_exactly(start_step):
-    arrays = indexed_arrays(21)  # 5 steps per epoch with batch 4
+    arrays = indexed_arrays(21)  # 6 steps per epoch with batch 4, the last of 1 example
     from_zero = take(data.train_dataset(arrays, 4, seed=2), start_step + 3)
     resumed = take(data.train_dataset(arrays, 4, seed=2, start_step=start_step), 3)
     for (x1, y1), (x2, y2) in zip(from_zero[start_step:], resumed):

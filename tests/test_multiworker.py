@@ -328,23 +328,24 @@ def model():
 
 def data():
     rng = np.random.default_rng(0)
-    x = {"a": rng.normal(size=(240, 6)).astype(np.float32),
-         "b": rng.normal(size=(240, 4)).astype(np.float32)}
-    y = rng.integers(0, 3, 240).astype(np.int32)
-    weights = rng.uniform(0.2, 2.0, 240).astype(np.float32)
+    x = {"a": rng.normal(size=(250, 6)).astype(np.float32),
+         "b": rng.normal(size=(250, 4)).astype(np.float32)}
+    y = rng.integers(0, 3, 250).astype(np.int32)
+    weights = rng.uniform(0.2, 2.0, 250).astype(np.float32)
     return (x, y, weights), (x, y)
 '''
 
 
 def test_two_workers_make_the_single_update_for_a_user_model(tmp_path):
-    """Dict inputs, L2, Adam with global clipping and sample weights, over 2 workers."""
+    """Dict inputs, L2, Adam with global clipping and sample weights, over 2 workers;
+    250 examples in batches of 60, so the fifth step is an epoch's last 10."""
     source = tmp_path / "user.py"
     source.write_text(USER_MODEL)
     steps = [
         f"--model={source}:model",
         f"--dataset={source}:data",
         "--batch_size=60",
-        "--iterations=3",
+        "--iterations=6",
         "--progress=never",
     ]
     single = tfdp(*steps, f"--model_dir={tmp_path / 'single'}")

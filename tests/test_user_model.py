@@ -407,3 +407,41 @@ def test_mixed_precision_makes_the_same_update_in_every_mode(policy, tolerance, 
         trainer, _ = train_steps(mode, devices, powers, 3, data, make=make)
         for got, want in zip(trainer.get_weights(), single.get_weights(), strict=True):
             np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(
+    "mode, devices, powers, options",
+    [
+        ("single", CPUS[:1], (), {}),
+        ("mirrored", CPUS[:3], (), {}),
+        ("mirrored", CPUS[:3], (), {"mirrored_input": "dataset"}),
+        ("weighted", CPUS[:2], (1, 5), {}),
+        ("weighted", CPUS[:4], (3, 1, 1, 1), {"reduce": "allreduce"}),
+    ],
+)
+def test_an_epochs_partial_last_batch_is_trained_on_exactly(mode, devices, powers, options, data):
+    """250 examples in batches of 60: the fifth step reads the 10 left, split over the
+    devices, and makes Keras' update on those 10."""
+    ragged = tf.nest.map_structure(lambda leaf: np.concatenate([leaf, leaf[:10]]), data)
+    sizes = [len(b[1]) for b in train_dataset(ragged, BATCH, SEED).take(6)]
+    assert sizes == [60, 60, 60, 60, 10, 60]
+    trainer, metrics = train_steps(mode, devices, powers, 5, ragged, **options)
+    model = two_input_model()
+    batches = iter(train_dataset(ragged, BATCH, SEED))
+    for _ in range(5):
+        bx, by, bw = next(batches)
+        logs = model.train_on_batch(bx, by, sample_weight=bw, return_dict=True)
+    for got, want in zip(trainer.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert metrics["loss"] == pytest.approx(float(logs["loss"]), rel=1e-5)
+
+
+def test_every_example_of_an_epoch_is_read_unless_the_remainder_is_dropped():
+    indexed = (np.arange(240), np.arange(240))  # 240 = 3 x 70 + 30
+    epoch = [y.numpy() for _, y in train_dataset(indexed, 70, SEED).take(4)]
+    assert [len(b) for b in epoch] == [70, 70, 70, 30]
+    assert sorted(np.concatenate(epoch).tolist()) == list(range(240))
+    dropped = [y.numpy() for _, y in train_dataset(indexed, 70, SEED, drop_remainder=True).take(4)]
+    assert [len(b) for b in dropped] == [70, 70, 70, 70]
+    np.testing.assert_array_equal(np.concatenate(dropped[:3]), np.concatenate(epoch[:3]))
+    assert len(set(dropped[3])) == 70  # the next epoch's first batch

@@ -20,7 +20,9 @@ from tfdp.errors import ConfigError
 RUN_FILE = "run.json"
 # A checkpoint only continues a run with these the same: they fix the
 # variables' shapes and the sequence of batches that step k stands for.
-RUN_FIELDS = ("model", "dataset", "hidden_units", "batch_size", "seed")
+RUN_FIELDS = ("model", "dataset", "hidden_units", "batch_size", "seed", "drop_remainder")
+# what a run.json written before a field existed stands for
+RUN_FIELD_DEFAULTS = {"drop_remainder": False}
 SHARES_FILE = "shares.json"
 
 
@@ -57,7 +59,7 @@ def check_model_dir(config) -> None:
     different = [
         f"{field} {saved.get(field)!r} (now {value!r})"
         for field, value in run_settings(config).items()
-        if saved.get(field) != value
+        if saved.get(field, RUN_FIELD_DEFAULTS.get(field)) != value
     ]
     if different:
         raise ConfigError(

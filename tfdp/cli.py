@@ -101,6 +101,12 @@ flags.DEFINE_integer(
     "iterations", None, f"Training steps (default {DEFAULT_ITERATIONS}, as the tutorial)."
 )
 flags.DEFINE_integer("epochs", None, "Train for this many epochs instead of --iterations.")
+flags.DEFINE_bool(
+    "drop_remainder",
+    _DEFAULTS.drop_remainder,
+    "Leave out each epoch's last, partial batch. Default: train on it, split over the devices "
+    "in proportion to their shares.",
+)
 flags.DEFINE_integer(
     "eval_every", _DEFAULTS.eval_every, "Test-set accuracy every N steps (0: only at the end)."
 )
@@ -239,6 +245,7 @@ def config_from_flags() -> Config:
         data_dir=FLAGS.data_dir,
         mnist_dir=FLAGS.mnist_dir,
         epochs=FLAGS.epochs,
+        drop_remainder=FLAGS.drop_remainder,
         eval_every=FLAGS.eval_every,
         model_dir=FLAGS.model_dir,
         checkpoint_every=FLAGS.checkpoint_every,

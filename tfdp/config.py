@@ -38,6 +38,7 @@ class Config:
     batch_size: int = 1024  # global batch, as in the tutorial's LeNet run
     iterations: int | None = None  # training steps; None: `epochs` if set, else the tutorial's 50
     epochs: int | None = None  # train for whole epochs instead of `iterations`
+    drop_remainder: bool = False  # leave out each epoch's last, partial batch
     learning_rate: float = 0.1  # the tutorial's plain SGD step
     seed: int = 0  # initial weights and batch order, identical in every mode
     init: str = "tutorial"  # tutorial: U(-0.1, 0.1) weights, zero biases; keras: Keras defaults
@@ -116,6 +117,8 @@ def validate(config: Config) -> None:
         raise ConfigError(
             "epochs", config.epochs, f"and iterations={config.iterations} both set; give one"
         )
+    if not isinstance(config.drop_remainder, bool):
+        raise ConfigError("drop_remainder", config.drop_remainder, "must be True or False")
     if isinstance(config.eval_every, bool) or not isinstance(config.eval_every, int):
         raise ConfigError("eval_every", config.eval_every, "must be an integer")
     if config.eval_every < 0:

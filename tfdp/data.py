@@ -302,12 +302,20 @@ def _without_autotune():
     return options
 
 
-def train_dataset(arrays, batch_size, seed, start_step=0):
-    """Builds the infinite, deterministic stream of full global training batches.
+def steps_per_epoch(num_examples: int, batch_size: int, drop_remainder: bool = False) -> int:
+    """Steps of one epoch: every example once, the last batch partial unless dropped."""
+    if drop_remainder:
+        return num_examples // batch_size
+    return -(-num_examples // batch_size)
+
+
+def train_dataset(arrays, batch_size, seed, start_step=0, drop_remainder=False):
+    """Builds the infinite, deterministic stream of global training batches.
 
     Epoch e visits the examples in the order
     `tf.random.experimental.stateless_shuffle(tf.range(N), seed=[seed, e])`, cut into
-    `N // batch_size` batches (the remainder is dropped). Training step k reads batch
+    batches of `batch_size`; the last batch of an epoch holds the N mod batch_size
+    examples left, or is dropped with `drop_remainder`. Training step k reads batch
     `k % steps_per_epoch` of epoch `k // steps_per_epoch`, so the stream depends only on
     (arrays, batch_size, seed) and not on the devices that consume it.
 
@@ -318,10 +326,12 @@ def train_dataset(arrays, batch_size, seed, start_step=0):
         batch_size: global batch size, 1 <= batch_size <= N.
         seed: integer seed of the shuffle.
         start_step: first step to produce, for resuming exactly where training stopped.
+        drop_remainder: leave out each epoch's last, partial batch.
 
     Returns:
         A dataset of batches: (x float32 (batch_size, ...), y int32 (batch_size,)) for
-        Arrays, batches of the same structure as `arrays` otherwise.
+        Arrays, batches of the same structure as `arrays` otherwise. The batch
+        dimension is static unless partial batches occur.
 
     Raises:
         ConfigError: `batch_size` outside 1..N, or negative `start_step`.
@@ -331,7 +341,9 @@ def train_dataset(arrays, batch_size, seed, start_step=0):
         raise ConfigError("batch_size", batch_size, f"must be in 1..N={num_examples}")
     if start_step < 0:
         raise ConfigError("start_step", start_step, "must be >= 0")
-    steps_per_epoch = num_examples // batch_size
+    full, partial = divmod(num_examples, batch_size)
+    partial = 0 if drop_remainder else partial
+    epoch_steps = full + (partial > 0)
     tensors = _to_tensors(arrays)
     prepare = _model_inputs(arrays)
 
@@ -340,14 +352,19 @@ def train_dataset(arrays, batch_size, seed, start_step=0):
         order = tf.random.experimental.stateless_shuffle(
             tf.range(num_examples), seed=tf.stack([tf.constant(seed, tf.int64), epoch])
         )
-        batches = tf.reshape(order[: steps_per_epoch * batch_size], [steps_per_epoch, batch_size])
-        return tf.data.Dataset.from_tensor_slices(batches)
+        batches = tf.data.Dataset.from_tensor_slices(
+            tf.reshape(order[: full * batch_size], [full, batch_size])
+        )
+        if partial:
+            last = order[full * batch_size :]
+            batches = batches.concatenate(tf.data.Dataset.from_tensors(last))
+        return batches
 
     def gather(indices):
         batch = tf.nest.map_structure(lambda t: tf.gather(t, indices), tensors)
         return prepare(*batch) if isinstance(batch, tuple) else batch
 
-    start_epoch, start_offset = divmod(start_step, steps_per_epoch)
+    start_epoch, start_offset = divmod(start_step, epoch_steps)
     return (
         tf.data.Dataset.counter(start_epoch)
         .flat_map(epoch_batches)

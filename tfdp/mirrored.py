@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tfdp.devices import even_split, split_batch
 from tfdp.objective import concat, num_examples
-from tfdp.steps import clip_before_all_reduce, split, timed_replica_gradients
+from tfdp.steps import clip_before_all_reduce, shard_sizes_for, split, timed_replica_gradients
 
 _strategies_made = itertools.count(1)
 
@@ -117,9 +117,17 @@ class MirroredTrainer:
 
     def _step(self, iterator):
         batch = next(iterator)
-        shards = self._split(batch) if self.input == "split" else batch
-        loss, predictions, seconds = self.strategy.run(self._replica_step, args=(shards,))
         local = self.strategy.experimental_local_results
+        if self.input == "split":
+            examples = num_examples(batch)  # the global batch, or an epoch's partial last one
+            sizes = shard_sizes_for(examples, self.global_batch_size, self.shard_sizes)
+            shards = self._split(batch, sizes)
+        else:  # tf.distribute split it
+            examples = tf.add_n([num_examples(shard) for shard in local(batch)])
+            shards = batch
+        loss, predictions, seconds = self.strategy.run(
+            self._replica_step, args=(shards, examples)
+        )
         inputs = {"batch": batch} if self.input == "split" else {"batches": local(batch)}
         return {
             "loss": self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None),
@@ -137,14 +145,14 @@ class MirroredTrainer:
             lambda context: shards[context.replica_id_in_sync_group]
         )
 
-    def _replica_step(self, batch):
-        gradients, loss, predictions, seconds = self._timed_gradients(batch)
+    def _replica_step(self, batch, examples):
+        gradients, loss, predictions, seconds = self._timed_gradients(batch, examples=examples)
         gradients = clip_before_all_reduce(self.optimizer, gradients)
         # Inside a replica, the optimizer all-reduces (sums) the gradients, then updates.
         self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
         return loss, predictions, seconds
 
-    def _timed_gradients(self, batch, timed=None):
+    def _timed_gradients(self, batch, timed=None, examples=None):
         delay = None
         if self.delays is not None:
             replica = tf.distribute.get_replica_context().replica_id_in_sync_group
@@ -153,7 +161,7 @@ class MirroredTrainer:
             self.model,
             self.objective,
             batch,
-            self.global_batch_size,
+            self.global_batch_size if examples is None else examples,
             delay,
             self.chains,
             self.timed if timed is None else timed,

@@ -175,21 +175,29 @@ class MultiWorkerTrainer:
         self._all_gather = tf.function(self._gather_slices, reduce_retracing=True)
 
     def distribute(self, dataset):
-        """The iterator `train_step` reads: this worker's slice of every global batch."""
-        shards, replicas = self.shards, self.local_replicas
-        tf = self.tf
+        """The iterator `train_step` reads: this worker's slice of every global batch, with
+        the global batch's size (the divisor of the loss; an epoch's last batch may be
+        partial, and is then split by `steps.partial_shards`)."""
+        from tfdp.objective import num_examples
+        from tfdp.steps import shard_sizes_for
+
+        shards, replicas, tf = self.shards, self.local_replicas, self.tf
+        global_batch = self.global_batch_size
 
         def worker_dataset(context):
             worker = context.input_pipeline_id
-            begin, size = sum(shards[:worker]), shards[worker]
-            own = dataset.map(
-                lambda *batch: tf.nest.map_structure(
-                    lambda t: t[begin : begin + size], batch if len(batch) > 1 else batch[0]
-                )
-            )
-            # what this worker's input yields
-            self.worker_batch = tf.nest.flatten(own.element_spec)[0].shape[0]
-            return own if replicas == 1 else _per_replica(own, size, replicas)
+
+            def own_slice(*batch):
+                batch = batch if len(batch) > 1 else batch[0]
+                examples = num_examples(batch)
+                sizes = shard_sizes_for(examples, global_batch, shards)
+                begin, size = tf.reduce_sum(sizes[:worker]), sizes[worker]
+                return tf.nest.map_structure(lambda t: t[begin : begin + size], batch), examples
+
+            own = dataset.map(own_slice)
+            # what this worker's input yields (None: it varies at the end of an epoch)
+            self.worker_batch = tf.nest.flatten(own.element_spec)[0].shape[0] or shards[worker]
+            return own if replicas == 1 else _per_replica(own, replicas)
 
         return iter(self.strategy.distribute_datasets_from_function(worker_dataset))
 
@@ -199,8 +207,8 @@ class MultiWorkerTrainer:
         return self._train_step(iterator)
 
     def _step(self, iterator):
-        batch = next(iterator)
-        loss, predictions = self.strategy.run(self._replica_step, args=(batch,))
+        batch, examples = next(iterator)
+        loss, predictions = self.strategy.run(self._replica_step, args=(batch, examples))
         local = self.strategy.experimental_local_results
         return {
             "loss": self.strategy.reduce("SUM", loss, axis=None),
@@ -208,11 +216,11 @@ class MultiWorkerTrainer:
             "predictions": local(predictions),
         }
 
-    def _replica_step(self, batch):
+    def _replica_step(self, batch, examples):
         from tfdp.steps import clip_before_all_reduce, replica_gradients
 
         gradients, loss, predictions = replica_gradients(
-            self.model, self.objective, batch, self.global_batch_size
+            self.model, self.objective, batch, examples
         )
         gradients = clip_before_all_reduce(self.optimizer, gradients)
         # Inside a replica, the optimizer all-reduces (sums) the gradients over all workers.
@@ -313,16 +321,22 @@ class MultiWorkerTrainer:
         return self.model.get_weights()
 
 
-def _per_replica(dataset, size, replicas):
-    """Each element cut into `replicas` near-equal consecutive pieces, one per local device."""
+def _per_replica(dataset, replicas):
+    """Each (slice, examples) element cut into `replicas` near-equal consecutive pieces,
+    one per local device, each with the global batch's size."""
     import tensorflow as tf
 
-    bounds = tf.constant(np.cumsum([0, *split_batch(size, (1.0,) * replicas)]), tf.int64)
+    from tfdp.objective import num_examples
 
-    def pieces(*batch):
-        batch = batch if len(batch) > 1 else batch[0]
+    def pieces(batch, examples):
+        n = num_examples(batch)
+        sizes = n // replicas + tf.cast(tf.range(replicas) < n % replicas, tf.int32)
+        bounds = tf.concat([[0], tf.cumsum(sizes)], 0)
         return tf.data.Dataset.range(replicas).map(
-            lambda j: tf.nest.map_structure(lambda t: t[bounds[j] : bounds[j + 1]], batch)
+            lambda j: (
+                tf.nest.map_structure(lambda t: t[bounds[j] : bounds[j + 1]], batch),
+                examples,
+            )
         )
 
     return dataset.flat_map(pieces)

@@ -150,9 +150,10 @@ class Objective:
         x, y, sample_weight = unpack(batch)
         y_pred = model(x, training=training)
         summed = self._loss(y, y_pred, sample_weight)
-        loss = summed / global_batch_size
+        total = tf.cast(global_batch_size, summed.dtype)  # a number, or this step's tensor
+        loss = summed / total
         if model.losses:
-            share = tf.cast(num_examples(batch), loss.dtype) / global_batch_size
+            share = tf.cast(num_examples(batch), loss.dtype) / total
             loss += tf.cast(tf.add_n(model.losses), loss.dtype) * share
         return loss, y_pred
 

@@ -79,6 +79,36 @@ def cut(batch, parts):
     return split(batch, sizes, parts)
 
 
+def partial_shards(examples, shards):
+    """The split of a partial batch of `examples` (a scalar tensor) over devices whose
+    full-batch shares are `shards` (a vector): one example each first, when there are
+    enough, then the rest in proportion to `shards`, largest remainder first (ties to
+    the earlier device), as `devices.split_batch` does."""
+    shards = tf.cast(shards, tf.int64)
+    n = tf.cast(examples, tf.int64)
+    devices = tf.size(shards, out_type=tf.int64)
+    ones = tf.cast(n >= devices, tf.int64)
+    rest = n - ones * devices
+    total = tf.reduce_sum(shards)
+    base = rest * shards // total
+    remainders = rest * shards - base * total
+    missing = rest - tf.reduce_sum(base)
+    order = tf.argsort(-remainders, stable=True)
+    extra = tf.scatter_nd(
+        tf.expand_dims(order[:missing], 1), tf.ones([missing], tf.int64), [devices]
+    )
+    return tf.cast(base + extra + ones, tf.int32)
+
+
+def shard_sizes_for(examples, global_batch_size, shards):
+    """`shards` for a full global batch, `partial_shards` for the last, partial one."""
+    return tf.cond(
+        tf.equal(examples, global_batch_size),
+        lambda: tf.convert_to_tensor(shards, tf.int32),
+        lambda: partial_shards(examples, shards),
+    )
+
+
 def split(batch, sizes, parts):
     """A nested batch cut along its first axis into pieces of `sizes`: a list of batches."""
     leaves = [tf.split(leaf, sizes, num=parts) for leaf in tf.nest.flatten(batch)]

@@ -215,7 +215,7 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
             data_lib.first_examples(test_data, 2)
         )
     spec = model_spec_for(config, samples, model)
-    steps_per_epoch = examples // config.batch_size
+    steps_per_epoch = data_lib.steps_per_epoch(examples, config.batch_size, config.drop_remainder)
     if config.iterations is not None:
         total_steps = config.iterations
     elif config.epochs is not None:
@@ -460,7 +460,9 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
     start_step = checkpointer.restore() if checkpointer else 0  # before anything is written
     summaries = Summaries(config.model_dir) if config.model_dir and chief else None
     iterator = trainer.distribute(
-        data_lib.train_dataset(plan.train_data, batch, config.seed, start_step=start_step)
+        data_lib.train_dataset(
+            plan.train_data, batch, config.seed, start_step, config.drop_remainder
+        )
     )
     progress = Progress(plan.total_steps, batch, start_step) if config.progress else None
 
@@ -494,6 +496,18 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
     shards = list(trainer.shards)
     say(f"workload partition: {[(short_name(d), n) for d, n in zip(plan.devices, shards)]}")
     say(banner(plan, start_step, shards))
+
+    last_examples = data_lib.size(plan.train_data) - (plan.steps_per_epoch - 1) * batch
+
+    def partial(iteration):
+        """Whether step `iteration` reads an epoch's last batch, with fewer examples."""
+        return iteration % plan.steps_per_epoch == plan.steps_per_epoch - 1 and (
+            last_examples < batch
+        )
+
+    def examples_in(first, end):
+        """Examples in steps first..end-1."""
+        return sum(last_examples if partial(i) else batch for i in range(first, end))
 
     history, evals, pending = [], [], []
     metrics, last = None, None
@@ -547,14 +561,16 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
                         {
                             **last,
                             "learning_rate": config.learning_rate,
-                            "images_per_second": (done - start_step) * batch / max(elapsed, 1e-9),
+                            "images_per_second": examples_in(start_step, done)
+                            / max(elapsed, 1e-9),
                             **{
                                 f"shard/{short_name(d)}": n
                                 for d, n in zip(plan.devices, trainer.shards)
                             },
                         },
                     )
-        if rebalancing and iteration > start_step:  # the first step has first-run costs
+        # The first step has first-run costs; a partial batch is not the split's speed.
+        if rebalancing and iteration > start_step and not partial(iteration):
             rebalancing.observe(iteration, metrics["device_seconds"])
         if progress:
             progress.update(
@@ -576,9 +592,9 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
     steps_run = plan.total_steps - start_step
     steady_seconds = seconds - side_seconds - first_step_seconds
     images_per_second = (
-        (steps_run - 1) * batch / steady_seconds
+        examples_in(start_step + 1, plan.total_steps) / steady_seconds
         if steps_run > 1
-        else steps_run * batch / max(seconds, 1e-9)
+        else examples_in(start_step, plan.total_steps) / max(seconds, 1e-9)
     )
     say(
         f"time for {steps_run} iterations of {plan.spec.name} on "
@@ -605,6 +621,7 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
             "iterations": plan.total_steps,
             "start_iteration": start_step,
             "steps_per_epoch": plan.steps_per_epoch,
+            "drop_remainder": config.drop_remainder,
             "learning_rate": config.learning_rate,
             "optimizer": trainer.optimizer.__class__.__name__,
             "seed": config.seed,

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from tfdp.devices import split_batch
 from tfdp.objective import concat, num_examples
-from tfdp.steps import split, timed_replica_gradients
+from tfdp.steps import shard_sizes_for, split, timed_replica_gradients
 
 
 class WeightedTrainer:
@@ -87,8 +87,10 @@ class WeightedTrainer:
 
     def _step(self, iterator):
         batch = next(iterator)
-        shards = self._split(batch)
-        gradients, losses, predictions, seconds = self._shard_gradients(shards)
+        examples = num_examples(batch)  # the global batch, or an epoch's partial last one
+        sizes = shard_sizes_for(examples, self.global_batch_size, self.shard_sizes)
+        shards = self._split(batch, sizes)
+        gradients, losses, predictions, seconds = self._shard_gradients(shards, examples)
         master = self.models[0]
         with tf.device(self.devices[0]):
             summed = [tf.add_n(list(per_device)) for per_device in zip(*gradients)]
@@ -103,8 +105,9 @@ class WeightedTrainer:
             "device_seconds": tf.stack(seconds),
         }
 
-    def _shard_gradients(self, shards):
-        """Every device's forward and backward on its shard, side by side.
+    def _shard_gradients(self, shards, examples=None):
+        """Every device's forward and backward on its shard of a global batch of
+        `examples` (default: a full one), side by side.
 
         Returns per-device lists: (gradients, losses, predictions, seconds).
         """
@@ -116,7 +119,7 @@ class WeightedTrainer:
                         model,
                         self.objective,
                         shard,
-                        self.global_batch_size,
+                        self.global_batch_size if examples is None else examples,
                         self._delay(i),
                         self.chains,
                         self.timed,
