@@ -7,7 +7,8 @@ from conftest import CPUS
 
 from tfdp import Config
 from tfdp.data import Arrays, train_dataset
-from tfdp.training import build_trainer, partition, step_metrics
+from tfdp.trainers import build_trainer
+from tfdp.training import partition, step_metrics
 
 BATCH = 100
 SEED = 5

@@ -13,8 +13,8 @@ from conftest import CPUS, tfdp
 
 from tfdp import Config
 from tfdp.data import Arrays
-from tfdp.models import built_in_spec
-from tfdp.training import Plan, build_trainer, partition, set_up_split
+from tfdp.trainers import build_trainer
+from tfdp.training import partition
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +39,9 @@ def test_auto_powers_see_a_device_slowed_4x(reduce, images):
     devices = CPUS[:2]
     shards = partition(config, devices)
     assert shards == [100, 100]  # auto starts even
-    plan = Plan(config, devices, shards, built_in_spec(config), images, images, 2, 2)
     trainer = build_trainer(config, devices, shards)
     lines = []
-    info, probe = set_up_split(plan, trainer, lines.append)
+    info, probe = trainer.set_up_split(config, images, lines.append)
     slowed = info["simulated_slowdown"]["CPU:1"]
     assert slowed["factor"] == 4 and slowed["sleep_seconds_per_example"] > 0
     assert list(info["simulated_slowdown"]) == ["CPU:1"]
@@ -64,10 +63,9 @@ def test_auto_powers_see_a_device_slowed_4x(reduce, images):
 
 def test_no_balancing_options_measure_nothing(images):
     config = Config(mode="weighted", devices="cpu:0,cpu:1", batch_size=200)
-    plan = Plan(config, CPUS[:2], [100, 100], built_in_spec(config), images, images, 2, 2)
     trainer = build_trainer(config, CPUS[:2], [100, 100])
     lines = []
-    assert set_up_split(plan, trainer, lines.append) == (
+    assert trainer.set_up_split(config, images, lines.append) == (
         {"simulated_slowdown": None, "auto_powers": None},
         None,
     )

@@ -100,7 +100,8 @@ def test_evaluation_is_the_same_on_every_device_set(mnist_dir):
 
     from tfdp.data import load_mnist_idx
     from tfdp.models import build_model, built_in_spec
-    from tfdp.training import build_trainer, evaluate, partition
+    from tfdp.trainers import build_trainer
+    from tfdp.training import evaluate, partition
 
     test = load_mnist_idx(mnist_dir, "test")
     model = build_model("lenet", seed=1)

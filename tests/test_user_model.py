@@ -13,7 +13,8 @@ import tfdp
 from tfdp import Config, ConfigError
 from tfdp.data import train_dataset
 from tfdp.models import model_spec
-from tfdp.training import build_trainer, partition, step_metrics
+from tfdp.trainers import build_trainer
+from tfdp.training import partition, step_metrics
 
 BATCH = 60
 SEED = 3

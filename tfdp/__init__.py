@@ -23,7 +23,8 @@ _LAZY = {
     "train": "tfdp.training",
     "prepare": "tfdp.training",
     "run": "tfdp.training",
-    "build_trainer": "tfdp.training",
+    "build_trainer": "tfdp.trainers",
+    "Trainer": "tfdp.trainers",
     "build_model": "tfdp.models",
     "lenet": "tfdp.models",
     "toy_mlp": "tfdp.models",
@@ -32,8 +33,8 @@ _LAZY = {
     "load_mnist": "tfdp.data",
     "make_toy_data": "tfdp.data",
     "train_dataset": "tfdp.data",
-    "MirroredTrainer": "tfdp.mirrored",
-    "WeightedTrainer": "tfdp.weighted",
+    "MirroredTrainer": "tfdp.trainers.mirrored",
+    "WeightedTrainer": "tfdp.trainers.weighted",
 }
 
 __all__ = ["Config", "ConfigError", "configure_logical_devices", "split_batch", *_LAZY]

@@ -147,7 +147,8 @@ def measure_matmul(n: int = 2048, repeats: int = 10) -> dict:
 def measure_tfdp(spec: Spec, job: dict) -> dict:
     from tfdp import Config
     from tfdp.devices import default_intra_op_threads, set_intra_op_threads, short_name
-    from tfdp.training import build_trainer, partition
+    from tfdp.trainers import build_trainer
+    from tfdp.training import partition
 
     devices = device_names(job["kind"], spec.devices)
     config = Config(
@@ -167,8 +168,9 @@ def measure_tfdp(spec: Spec, job: dict) -> dict:
 def measure_multiworker(spec: Spec, job: dict) -> dict:
     """This worker's timing of the cluster's run; TF_CONFIG names the cluster."""
     from tfdp import Config
-    from tfdp.multiworker import join_cluster, read_cluster
-    from tfdp.training import build_trainer, partition
+    from tfdp.cluster import join_cluster, read_cluster
+    from tfdp.trainers import build_trainer
+    from tfdp.training import partition
 
     config = Config(mode="multiworker", powers=spec.powers, batch_size=job["batch_size"])
     workers = list(read_cluster().workers)

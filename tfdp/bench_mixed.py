@@ -93,7 +93,8 @@ def _set_up_process(job: dict) -> None:
 def _build(reduce: str, job: dict):
     """A weighted trainer (even shares to start), with the job's slowdown."""
     from tfdp.devices import available_devices, parse_devices
-    from tfdp.training import build_trainer, partition
+    from tfdp.trainers import build_trainer
+    from tfdp.training import partition
 
     config = _config(MixedSpec("", (), reduce=reduce), job)
     devices = parse_devices(config.devices, available_devices())

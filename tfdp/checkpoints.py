@@ -129,7 +129,7 @@ class Checkpointer:
             write_atomically(run_file, json.dumps(run_settings(self.config), indent=2) + "\n")
         self.step.assign(step)
         path = self.manager.save(checkpoint_number=step)
-        if self.config.mode == "weighted":  # the split is not a variable of the step's math
+        if self.trainer.balanced:  # the split is not a variable of the step's math
             shares = {"step": step, "devices": self.trainer.devices, "shards": self.trainer.shards}
             write_atomically(self.shares_file, json.dumps(shares) + "\n")
         return path

@@ -293,7 +293,7 @@ def main(argv: list[str]) -> None:
             check_intra_op_threads(FLAGS.intra_op_threads)
         reserve_sleeping_threads(len(parse_slowdown(config.simulate_slowdown)))
         if config.mode == "multiworker":
-            from tfdp.multiworker import read_cluster
+            from tfdp.cluster import read_cluster
 
             read_cluster()  # a missing or malformed TF_CONFIG fails here, before TensorFlow starts
         if config.mode == "multiworker" and FLAGS.logical_cpus:
@@ -317,11 +317,11 @@ def main(argv: list[str]) -> None:
     except training.NonFiniteLoss as error:
         _fail(str(error), status=1)
     except Exception as error:  # a worker of the cluster died or stopped responding
-        from tfdp import multiworker
+        from tfdp import cluster
 
-        if config.mode != "multiworker" or not multiworker.is_cluster_error(error):
+        if config.mode != "multiworker" or not cluster.is_cluster_error(error):
             raise
-        _fail(multiworker.describe_failure(error, config), status=1)
+        _fail(cluster.describe_failure(error, config), status=1)
     if FLAGS.result_json and result.get("chief", True):  # multiworker: the chief writes it
         write_json(FLAGS.result_json, result)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from tfdp.devices import parse_slowdown
+from tfdp.devices import AUTO, parse_slowdown
 from tfdp.errors import ConfigError
 
 MODES = ("single", "mirrored", "weighted", "multiworker")
@@ -19,7 +19,6 @@ COLLECTIVES = ("auto", "ring", "nccl")
 # Each model reads one kind of input.
 DATASET_OF_MODEL = {"lenet": "mnist", "toy": "toy"}
 DEFAULT_ITERATIONS = 50  # the tutorial's run
-AUTO = "auto"  # powers measured on the devices at start-up
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ from typing import Sequence
 
 from tfdp.errors import ConfigError
 
+AUTO = "auto"  # powers measured on the devices at start-up
 _DEVICE_RE = re.compile(r"^/?(?:device:)?(cpu|gpu)(?::(\d+))?$", re.IGNORECASE)
 
 
@@ -204,8 +205,6 @@ def default_intra_op_threads(config, logical_cpus: int, gpus: int, cores: int) -
         gpus: how many GPUs the machine has.
         cores: how many cores the machine has.
     """
-    from tfdp.config import AUTO
-
     even = config.mode in ("single", "mirrored") or (
         config.mode == "weighted"
         and config.powers != AUTO

@@ -8,20 +8,18 @@ dict that `--result_json` writes; `train` is the two in one call.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
 import time
 from typing import Callable
 
-from tfdp import balance, onednn, sources
+from tfdp import onednn, sources
 from tfdp import data as data_lib
-from tfdp.checkpoints import Checkpointer, check_model_dir, export_model, write_atomically
+from tfdp.checkpoints import check_model_dir, export_model, write_atomically
 from tfdp.config import AUTO, DATASETS, DEFAULT_ITERATIONS, MODELS, Config
 from tfdp.devices import (
     available_devices,
-    default_chains,
     even_split,
     parse_devices,
     parse_slowdown,
@@ -31,6 +29,7 @@ from tfdp.devices import (
 from tfdp.errors import ConfigError
 from tfdp.models import ModelSpec
 from tfdp.observe import Progress, Summaries
+from tfdp.trainers import build_trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +107,7 @@ def check_balancing(config: Config, devices: list[str]) -> None:
 
 def multiworker_devices(config: Config) -> list[str]:
     """The workers of TF_CONFIG stand for the devices: one batch share each."""
-    from tfdp.multiworker import read_cluster
+    from tfdp.cluster import read_cluster
 
     if config.devices:
         raise ConfigError(
@@ -192,7 +191,7 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
     shards = partition(config, devices)
     check_balancing(config, devices)
     if config.mode == "multiworker":
-        from tfdp.multiworker import join_cluster
+        from tfdp.cluster import join_cluster
 
         join_cluster(config)  # before any other TensorFlow op; waits for every worker
     if train_data is None:
@@ -225,121 +224,13 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
     return Plan(config, devices, shards, spec, train_data, test_data, steps_per_epoch, total_steps)
 
 
-def build_trainer(config: Config, devices: list[str], shards: list[int], spec=None):
-    """The mode's trainer, with every model copy starting from the spec's weights.
-
-    spec: the model (`models.ModelSpec`); None: the config's built-in model.
-    """
-    from tfdp.mirrored import MirroredTrainer
-    from tfdp.models import built_in_spec
-    from tfdp.weighted import WeightedTrainer
-
-    spec = spec or built_in_spec(config)
-    if config.mode == "multiworker":
-        from tfdp import multiworker
-
-        return multiworker.build(config, shards, spec)
-    slowdown = bool(config.simulate_slowdown)
-    # Chains would compute batch statistics on parts of a shard: one chain for such models.
-    chains = config.chains or (
-        1 if spec.batch_statistics else default_chains(devices, os.cpu_count() or 1)
-    )
-    if config.mode == "mirrored":
-        return MirroredTrainer(
-            spec,
-            devices,
-            config.batch_size,
-            all_reduce=config.all_reduce,
-            input=config.mirrored_input,
-            slowdown=slowdown,
-            chains=chains,
-        )
-    if config.reduce == "allreduce":  # weighted shards, MirroredStrategy replicas
-        return MirroredTrainer(
-            spec,
-            devices,
-            config.batch_size,
-            all_reduce=config.all_reduce,
-            shards=shards,
-            slowdown=slowdown,
-            chains=chains,
-        )
-    # single is the weighted algorithm on one device: no split, no copies.
-    return WeightedTrainer(spec, devices, shards, slowdown=slowdown, chains=chains)
-
-
-def set_up_split(
-    plan: Plan, trainer, log: Callable[[str], None] = print, measure: bool = True
-) -> dict:
-    """The simulated slowdown and auto powers, before training. The slowdown is
-    calibrated on each device alone; auto powers time each device alone, then
-    all of them at once (`balance.settle_under_load`).
-
-    With `measure` False, auto powers are not measured (a resumed run has its split).
-    Returns what was set up, for the result, and the probe under load (None
-    without auto powers), from which rebalancing carries on.
-    """
-    config = plan.config
-    info = {"simulated_slowdown": None, "auto_powers": None}
-    slowdown = parse_slowdown(config.simulate_slowdown)
-    measure = measure and config.powers == AUTO
-    settled = None
-    if not slowdown and not measure:
-        return info, settled
-    probe = max(1, config.batch_size // len(plan.devices))  # an even share
-    batch = data_lib.first_examples(plan.train_data, probe)
-    names = [short_name(d) for d in plan.devices]
-    if slowdown:
-        factors = [slowdown.get(d, 1.0) for d in plan.devices]
-        delays = balance.calibrate_slowdown(trainer, batch, factors)
-        info["simulated_slowdown"] = {
-            name: {"factor": f, "sleep_seconds_per_example": d}
-            for name, f, d in zip(names, factors, delays)
-            if f != 1
-        }
-        log(
-            "SIMULATED SLOWDOWN (for testing; not this machine's speed): "
-            + ", ".join(
-                f"{name} {f:g}x slower alone (sleeps {d * 1e3:.3f} ms per example)"
-                for name, f, d in zip(names, factors, delays)
-                if f != 1
-            )
-        )
-    if measure:
-        rates = balance.measure_powers(trainer, batch)
-        alone = balance.whole_shares(config.batch_size, rates)
-        log(
-            f"auto powers, each device alone on {probe} examples: "
-            + ", ".join(f"{name} {r:.0f} images/s" for name, r in zip(names, rates))
-            + f"; shares {alone}"
-        )
-        trainer.set_shards(alone)
-        batch = data_lib.first_examples(plan.train_data, config.batch_size)
-        settled = balance.settle_under_load(trainer, batch, log)
-        shards = list(trainer.shards)
-        steps = balance.PROBE_WINDOW * balance.PROBE_WINDOWS
-        log(
-            f"auto powers, all devices at once on {config.batch_size} examples for {steps} "
-            f"probe steps: shares {alone}" + (f" -> {shards}" if shards != alone else " kept")
-        )
-        info["auto_powers"] = {
-            "devices": names,
-            "images_per_second": rates,
-            "probe_examples": probe,
-            "shards_alone": alone,
-            "probe_resplits": settled.resplits,
-            "powers": [s / min(shards) for s in shards],
-        }
-    return info, settled
-
-
 def resumed_shares(config: Config, trainer, checkpointer) -> dict | None:
     """The split a resumed run continues with: the one saved with its checkpoint, when
     the split was measured (auto powers or rebalancing) and the devices are the same.
 
     Any split makes the same update; this only spares the run measuring again.
     """
-    if config.mode != "weighted" or not (config.powers == AUTO or config.rebalance_every):
+    if not trainer.balanced or not (config.powers == AUTO or config.rebalance_every):
         return None
     saved = checkpointer.saved_shares()
     if (
@@ -363,31 +254,18 @@ def first_non_finite(pending) -> int | None:
     return None
 
 
-def unit(config: Config) -> str:
-    return "worker(s)" if config.mode == "multiworker" else "device(s)"
-
-
-def make_checkpointer(config: Config, trainer):
-    if config.mode == "multiworker":
-        from tfdp.multiworker import WorkerCheckpointer
-
-        return WorkerCheckpointer(config, trainer)
-    return Checkpointer(config, trainer)
-
-
-def banner(plan: Plan, start_step: int, shards: list[int]) -> str:
+def banner(plan: Plan, trainer, start_step: int, shards: list[int]) -> str:
     """The batch arithmetic, printed once at start."""
     config, n = plan.config, len(plan.devices)
     split = " + ".join(str(s) for s in shards)
     epochs = plan.total_steps / plan.steps_per_epoch
     text = (
-        f"global batch {config.batch_size} = {split} over {n} {unit(config)}, mode {config.mode}; "
+        f"global batch {config.batch_size} = {split} over {n} {trainer.unit}, mode {config.mode}; "
         f"{plan.steps_per_epoch} steps per epoch of {data_lib.size(plan.train_data)} examples; "
         f"{plan.total_steps} iterations ({epochs:.2f} epochs) at learning rate "
         f"{config.learning_rate}"
     )
-    if config.mode == "weighted":
-        text += f"; gradients summed by {config.reduce}"
+    text += trainer.describe()
     if config.rebalance_every:
         text += (
             f"; re-split by measured device times, in windows of up to "
@@ -449,21 +327,9 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
     config = plan.config
     batch = config.batch_size
     trainer = build_trainer(config, plan.devices, plan.shards, plan.spec)
-    chief = getattr(trainer, "is_chief", True)  # multiworker: only the chief writes files
-    auto_powers = None
-    if config.mode == "multiworker" and config.powers == AUTO:
-        probe = max(1, batch // len(plan.devices))
-        # every worker gets the same partition
-        auto_powers = trainer.measure_powers(data_lib.first_examples(plan.train_data, probe))
-        plan = dataclasses.replace(plan, shards=trainer.shards)
-    checkpointer = make_checkpointer(config, trainer) if config.model_dir else None
+    checkpointer = trainer.checkpointer(config) if config.model_dir else None
     start_step = checkpointer.restore() if checkpointer else 0  # before anything is written
-    summaries = Summaries(config.model_dir) if config.model_dir and chief else None
-    iterator = trainer.distribute(
-        data_lib.train_dataset(
-            plan.train_data, batch, config.seed, start_step, config.drop_remainder
-        )
-    )
+    summaries = Summaries(config.model_dir) if config.model_dir and trainer.is_chief else None
     progress = Progress(plan.total_steps, batch, start_step) if config.progress else None
 
     def say(line):
@@ -471,31 +337,24 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
             progress.clear()
         log(line)
 
-    if config.mode == "multiworker":  # the workers measured themselves (multiworker.py)
-        split_info = {"simulated_slowdown": None, "auto_powers": auto_powers}
-        if auto_powers:
-            rates = ", ".join(
-                f"{w} {r:.0f}"
-                for w, r in zip(auto_powers["devices"], auto_powers["images_per_second"])
-            )
-            say(f"auto powers: measured images/sec {rates}; powers {auto_powers['powers']}")
-        rebalancing = None
-    else:
-        resumed = resumed_shares(config, trainer, checkpointer) if start_step else None
-        split_info, probe = set_up_split(plan, trainer, say, measure=resumed is None)
-        split_info["resumed_shares"] = resumed
-        if resumed:
-            trainer.set_shards(resumed["shards"])
-            say(
-                f"shares {resumed['shards']}: the split at iteration {resumed['step']}, "
-                f"from {checkpointer.shares_file}"
-            )
-        rebalancing = balance.Rebalancing(trainer, config.rebalance_every, say)
-        if probe:
-            rebalancing.carry_over(probe)
+    resumed = resumed_shares(config, trainer, checkpointer) if start_step else None
+    split_info, probe = trainer.set_up_split(config, plan.train_data, say, resumed is None)
+    split_info["resumed_shares"] = resumed
+    if resumed:
+        trainer.set_shards(resumed["shards"])
+        say(
+            f"shares {resumed['shards']}: the split at iteration {resumed['step']}, "
+            f"from {checkpointer.shares_file}"
+        )
+    rebalancing = trainer.rebalancing(config.rebalance_every, say, probe)
+    iterator = trainer.distribute(  # after the split is set: a worker keeps its slice
+        data_lib.train_dataset(
+            plan.train_data, batch, config.seed, start_step, config.drop_remainder
+        )
+    )
     shards = list(trainer.shards)
     say(f"workload partition: {[(short_name(d), n) for d, n in zip(plan.devices, shards)]}")
-    say(banner(plan, start_step, shards))
+    say(banner(plan, trainer, start_step, shards))
 
     last_examples = data_lib.size(plan.train_data) - (plan.steps_per_epoch - 1) * batch
 
@@ -548,8 +407,7 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
             first_step_seconds = time.perf_counter() - start
         if iteration % config.log_every == 0 or done == plan.total_steps:
             check_finite()  # reading metrics waits for the device: only here
-            if hasattr(trainer, "global_outputs"):  # multiworker: join the workers' slices
-                metrics = trainer.global_outputs(metrics)
+            metrics = trainer.global_outputs(metrics)  # multiworker: join the workers' slices
             last = step_metrics(plan.spec.objective, metrics)
             if iteration % config.log_every == 0:
                 history.append({"iteration": iteration, **last})
@@ -598,7 +456,7 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
     )
     say(
         f"time for {steps_run} iterations of {plan.spec.name} on "
-        f"{len(plan.devices)} {unit(config)}, mode {config.mode}: {seconds:f} sec "
+        f"{len(plan.devices)} {trainer.unit}, mode {config.mode}: {seconds:f} sec "
         f"(first step {first_step_seconds:.2f} sec with tracing; then "
         f"{images_per_second:.0f} images/sec)"
     )
@@ -613,7 +471,7 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
             "shards": shards,
             "final_shards": list(trainer.shards),
             "powers": config.powers if config.powers == AUTO else list(config.powers) or None,
-            "reduce": config.reduce if config.mode == "weighted" else None,
+            "reduce": config.reduce if trainer.balanced else None,
             **split_info,
             "rebalances": rebalancing.resplits if rebalancing else [],
             "device_seconds": rebalancing.seconds() if rebalancing else None,
@@ -641,19 +499,16 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
             "onednn": onednn.enabled(),
             # threads one CPU kernel may use; 0: TensorFlow's default, every core
             "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
-            "chains": getattr(trainer, "chains", 1),
+            **trainer.result_info(),  # chains; multiworker: this worker, chief, its slice
         }
     )
-    if config.mode == "multiworker":
-        result.update(trainer.worker_info())  # this worker: name, chief, examples per step
-    if config.model_dir and chief:
+    if config.model_dir and trainer.is_chief:
         summaries.close()
         export_model(trainer.model, os.path.join(config.model_dir, "model.keras"))
         write_atomically(
             os.path.join(config.model_dir, "result.json"), json.dumps(result, indent=2) + "\n"
         )
-    if config.mode == "multiworker":
-        trainer.gather(0)  # a barrier: the workers leave together, after the chief's writes
+    trainer.finish()  # multiworker: the workers leave together, after the chief's writes
     result.model = trainer.model
     return result
 

@@ -24,12 +24,15 @@ import tensorflow as tf
 from tfdp.devices import split_batch
 from tfdp.objective import concat, num_examples
 from tfdp.steps import shard_sizes_for, split, timed_replica_gradients
+from tfdp.trainers.base import Trainer
 
 
-class WeightedTrainer:
+class WeightedTrainer(Trainer):
     """Data-parallel training over devices of any kinds, with uneven shards."""
 
-    def __init__(self, spec, devices, shards, slowdown=False, chains=1, timed=True):
+    def __init__(
+        self, spec, devices, shards, slowdown=False, chains=1, timed=True, balanced=False
+    ):
         """
         Args:
           spec: the model (`models.ModelSpec`): a factory of compiled copies, the
@@ -42,7 +45,10 @@ class WeightedTrainer:
             (`steps.replica_gradients`).
           timed: read each device's seconds in the step (for auto powers and
             rebalancing); False leaves the host clock out of the step.
+          balanced: the split is the run's own (mode weighted; single is this
+            trainer on one device).
         """
+        self.balanced = balanced
         self.devices = list(devices)
         self.shards = list(shards)
         self.chains = chains
@@ -76,6 +82,9 @@ class WeightedTrainer:
         self._predict_step = tf.function(self._predict, reduce_retracing=True)
         self._seconds_alone = tf.function(self._alone)
         self._seconds_together = tf.function(self._together)
+
+    def describe(self) -> str:
+        return "; gradients summed by device0" if self.balanced else ""
 
     def distribute(self, dataset):
         """The iterator `train_step` reads: global batches, on the host."""

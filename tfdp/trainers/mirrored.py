@@ -10,6 +10,7 @@ import tensorflow as tf
 from tfdp.devices import even_split, split_batch
 from tfdp.objective import concat, num_examples
 from tfdp.steps import clip_before_all_reduce, shard_sizes_for, split, timed_replica_gradients
+from tfdp.trainers.base import Trainer
 
 _strategies_made = itertools.count(1)
 
@@ -42,7 +43,7 @@ def make_strategy(devices, all_reduce: str = "auto"):
     )
 
 
-class MirroredTrainer:
+class MirroredTrainer(Trainer):
     """Synchronous replicas of one Keras model, one per device."""
 
     def __init__(
@@ -77,6 +78,7 @@ class MirroredTrainer:
             rebalancing); False leaves the host clock out of the step.
         """
         self.devices = list(devices)
+        self.balanced = shards is not None  # the weighted split over all-reduce
         self.chains = chains
         self.timed = timed
         self.objective = spec.objective
@@ -104,6 +106,9 @@ class MirroredTrainer:
         self._predict_step = tf.function(self._predict, reduce_retracing=True)
         self._seconds_alone = tf.function(self._alone)
         self._seconds_together = tf.function(self._together)
+
+    def describe(self) -> str:
+        return "; gradients summed by allreduce" if self.balanced else ""
 
     def distribute(self, dataset):
         """The iterator `train_step` reads."""

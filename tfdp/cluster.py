@@ -1,0 +1,165 @@
+"""The cluster of a multi-worker run: TF_CONFIG, joining it, and telling a lost peer apart.
+
+Every worker runs `tf.distribute.MultiWorkerMirroredStrategy` (trainers/multiworker.py).
+Only the chief (task `chief`, else `worker:0`) writes the model directory.
+A worker that dies makes the others stop with an error: a closed connection
+fails the next all-reduce at once, and TensorFlow's coordination service
+aborts the collectives of every worker when one stops sending heartbeats
+(about 10 s). `collective_timeout` (off by default) also bounds each
+all-reduce, for a worker that is alive but never joins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+
+from tfdp.errors import ConfigError
+
+TF_CONFIG = "TF_CONFIG"
+TF_CONFIG_EXAMPLE = (
+    '{"cluster": {"worker": ["host0:2222", "host1:2222"]}, "task": {"type": "worker", "index": 0}}'
+)
+JOBS = ("chief", "worker")  # in input-pipeline order: the chief, if any, is worker 0
+_ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]]+):\d{1,5}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """The cluster of TF_CONFIG, and which of its workers this process is.
+
+    Attributes:
+        workers: task names in input-pipeline order, e.g. ("worker:0", "worker:1").
+        addresses: host:port of each worker, in the same order.
+        task: this process's task name.
+    """
+
+    workers: tuple[str, ...]
+    addresses: tuple[str, ...]
+    task: str
+
+    @property
+    def index(self) -> int:
+        """This worker's position in `workers`: its input pipeline and batch share."""
+        return self.workers.index(self.task)
+
+    @property
+    def is_chief(self) -> bool:
+        return self.index == 0
+
+
+def read_cluster(text: str | None = None) -> Cluster:
+    """Parses and checks TF_CONFIG (default: the environment's); raises ConfigError."""
+    text = os.environ.get(TF_CONFIG, "") if text is None else text
+    if not text.strip():
+        raise ConfigError(
+            TF_CONFIG,
+            text,
+            "is not set; mode multiworker reads the cluster and this worker's task from it, "
+            f"e.g. TF_CONFIG='{TF_CONFIG_EXAMPLE}' (tfdp-launch sets it for local workers)",
+        )
+
+    def bad(reason):
+        return ConfigError(TF_CONFIG, text, reason)
+
+    try:
+        spec = json.loads(text)
+    except ValueError as error:
+        raise bad(f"is not valid JSON ({error})") from None
+    if not isinstance(spec, dict):
+        raise bad('must be a JSON object with "cluster" and "task"')
+    cluster, task = spec.get("cluster"), spec.get("task")
+    if not isinstance(cluster, dict) or not cluster.get("worker") and not cluster.get("chief"):
+        raise bad('needs "cluster" with a "worker" list of host:port addresses')
+    others = sorted(set(cluster) - set(JOBS))
+    if others:
+        raise bad(f"has jobs {', '.join(others)}; mode multiworker runs chief and worker tasks")
+    for job, addresses in cluster.items():
+        if not isinstance(addresses, list) or not all(
+            isinstance(a, str) and _ADDRESS.match(a) for a in addresses
+        ):
+            raise bad(f'job "{job}" must be a list of host:port addresses')
+    if len(cluster.get("chief", [])) > 1:
+        raise bad(f"has {len(cluster['chief'])} chiefs; a cluster has at most one")
+    workers = [f"{job}:{i}" for job in JOBS for i in range(len(cluster.get(job, [])))]
+    addresses = [a for job in JOBS for a in cluster.get(job, [])]
+    repeated = sorted({a for a in addresses if addresses.count(a) > 1})
+    if repeated:
+        raise bad(f"gives {', '.join(repeated)} to more than one task")
+    if not isinstance(task, dict):
+        raise bad('needs "task": {"type": "worker", "index": i}, this process\'s place')
+    kind, index = task.get("type"), task.get("index")
+    if kind not in JOBS or isinstance(index, bool) or not isinstance(index, int):
+        raise bad(f'"task" must name a type among {", ".join(JOBS)} and an integer index')
+    if f"{kind}:{index}" not in workers:
+        raise bad(f"task {kind}:{index} is not in the cluster ({', '.join(workers)})")
+    return Cluster(tuple(workers), tuple(addresses), f"{kind}:{index}")
+
+
+_strategy = None
+
+
+def join_cluster(config):
+    """This process's MultiWorkerMirroredStrategy, made once per process.
+
+    It must come before any other TensorFlow op: it starts this worker's
+    server and waits until every worker of TF_CONFIG has started.
+    """
+    global _strategy
+    if _strategy is None:
+        import tensorflow as tf
+
+        implementation = getattr(
+            tf.distribute.experimental.CommunicationImplementation, config.collective.upper()
+        )
+        options = tf.distribute.experimental.CommunicationOptions(
+            implementation=implementation, timeout_seconds=config.collective_timeout or None
+        )
+        _strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    return _strategy
+
+
+def is_cluster_error(error: BaseException) -> bool:
+    """Whether `error` is TensorFlow's way of saying that a peer is gone or stuck."""
+    import tensorflow as tf
+
+    return isinstance(
+        error,
+        (
+            tf.errors.UnavailableError,
+            tf.errors.DeadlineExceededError,
+            tf.errors.AbortedError,
+            tf.errors.CancelledError,
+            tf.errors.FailedPreconditionError,
+        ),
+    )
+
+
+def describe_failure(error: BaseException, config) -> str:
+    """One line for a worker that lost the cluster: what TensorFlow saw, and how to resume."""
+    import tensorflow as tf
+
+    message = getattr(error, "message", str(error))
+    cause = message.split("aborted by:", 1)[-1]  # collectives name the cause after this
+    lines = []
+    for line in (line.strip() for line in cause.splitlines()):
+        if line.startswith(("Additional GRPC", "The error could be", "The tasks have", "[[")):
+            break  # TensorFlow's boilerplate after the cause
+        if line and not line.startswith(("Graph execution error", "Detected at node", "File ")):
+            lines.append(line)
+    reason = " ".join(lines) or (message.strip().splitlines() or [""])[0]
+    reason = reason if len(reason) <= 240 else reason[:237] + "..."
+    text = (
+        f"{read_cluster().task} lost the cluster, a worker died or stopped responding "
+        f"({type(error).__name__}: {reason})"
+    )
+    latest = (
+        tf.train.latest_checkpoint(os.path.join(config.model_dir, "checkpoints"))
+        if config.model_dir
+        else None
+    )
+    if latest:
+        return f"{text}; restart every worker with the same flags to resume from {latest}"
+    return f"{text}; no checkpoint was saved"

@@ -1,0 +1,67 @@
+"""One trainer per mode, behind one interface (`base.Trainer`).
+
+    single       WeightedTrainer on one device: no split, no copies
+    mirrored     MirroredTrainer: tf.distribute.MirroredStrategy, near-equal shards
+    weighted     WeightedTrainer (--reduce=device0, the tutorial) or
+                 MirroredTrainer with uneven shards (--reduce=allreduce)
+    multiworker  MultiWorkerTrainer: one process per worker of TF_CONFIG
+"""
+
+from __future__ import annotations
+
+import os
+
+from tfdp.devices import default_chains
+from tfdp.trainers.base import Trainer
+
+__all__ = ["Trainer", "build_trainer"]
+
+
+def build_trainer(config, devices: list[str], shards: list[int], spec=None) -> Trainer:
+    """The mode's trainer, with every model copy starting from the spec's weights.
+
+    spec: the model (`models.ModelSpec`); None: the config's built-in model.
+    """
+    from tfdp.models import built_in_spec
+
+    spec = spec or built_in_spec(config)
+    if config.mode == "multiworker":
+        from tfdp.trainers import multiworker
+
+        return multiworker.build(config, shards, spec)
+    from tfdp.trainers.mirrored import MirroredTrainer
+    from tfdp.trainers.weighted import WeightedTrainer
+
+    slowdown = bool(config.simulate_slowdown)
+    # Chains would compute batch statistics on parts of a shard: one chain for such models.
+    chains = config.chains or (
+        1 if spec.batch_statistics else default_chains(devices, os.cpu_count() or 1)
+    )
+    if config.mode == "mirrored":
+        return MirroredTrainer(
+            spec,
+            devices,
+            config.batch_size,
+            all_reduce=config.all_reduce,
+            input=config.mirrored_input,
+            slowdown=slowdown,
+            chains=chains,
+        )
+    if config.reduce == "allreduce":  # weighted shards, MirroredStrategy replicas
+        return MirroredTrainer(
+            spec,
+            devices,
+            config.batch_size,
+            all_reduce=config.all_reduce,
+            shards=shards,
+            slowdown=slowdown,
+            chains=chains,
+        )
+    return WeightedTrainer(
+        spec,
+        devices,
+        shards,
+        slowdown=slowdown,
+        chains=chains,
+        balanced=config.mode == "weighted",
+    )
