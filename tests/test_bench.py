@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from tfdp.bench import configurations
-from tfdp.flops import FORWARD_FLOPS, LENET_FORWARD_MACS, TRAIN_FLOPS
+from tfdp.bench.table import configurations
+from tfdp.bench.flops import FORWARD_FLOPS, LENET_FORWARD_MACS, TRAIN_FLOPS
 from tfdp.models import build_model
 
 

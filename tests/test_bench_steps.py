@@ -1,4 +1,4 @@
-"""`python -m tfdp.bench_steps`: each variant runs and reports (speed is never asserted)."""
+"""`python -m tfdp.bench.steps`: each variant runs and reports (speed is never asserted)."""
 
 import json
 import subprocess
@@ -12,7 +12,7 @@ def bench_steps(variant, mnist_dir):
         [
             sys.executable,
             "-m",
-            "tfdp.bench_steps",
+            "tfdp.bench.steps",
             f"--variant={variant}",
             "--iterations=10",
             "--warmup=1",
@@ -48,7 +48,7 @@ def test_profile_reports_time_per_kernel(mnist_dir, tmp_path):
         [
             sys.executable,
             "-m",
-            "tfdp.bench_steps",
+            "tfdp.bench.steps",
             "--variant=bare",
             "--iterations=3",
             "--warmup=1",

@@ -1,11 +1,11 @@
-"""`python -m tfdp.bench_steps`: variants of one single-device training step, timed.
+"""`python -m tfdp.bench.steps`: variants of one single-device training step, timed.
 
 The table in BUILD_NOTES ("The other things tried") comes from this: LeNet,
 batch 1024, one variant per process, warm-up first, then `--iterations` timed
 steps. Run the variants interleaved, one process each:
 
   for round in 1 2; do for v in bare clocks loop10 inter_op1 xla_update micro256 halves channels_first fit; do
-    python -m tfdp.bench_steps --variant=$v --mnist_dir=../shared/data/mnist
+    python -m tfdp.bench.steps --variant=$v --mnist_dir=../shared/data/mnist
   done; done
 
 Set TF_ENABLE_ONEDNN_OPTS=0 (or TFDP_ONEDNN=tensorflow) to time them without

@@ -28,7 +28,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app, flags  # noqa: E402
 
 from tfdp import onednn  # noqa: E402
-from tfdp.flops import FORWARD_FLOPS, TRAIN_FLOPS  # noqa: E402
+from tfdp.bench.flops import FORWARD_FLOPS, TRAIN_FLOPS  # noqa: E402
 from tfdp.observe import CpuAccounting  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -279,7 +279,7 @@ def steps_only(seconds: float, job: dict) -> dict:
 
 def run_worker(job: dict) -> dict:
     if job.get("suite") == "mixed":
-        from tfdp import bench_mixed
+        from tfdp.bench import mixed as bench_mixed
 
         if job.get("calibrate"):
             return bench_mixed.calibrate(job)
@@ -467,7 +467,7 @@ def draw(rows, path: str, title: str) -> None:
 
 
 def run_mixed(mnist_dir) -> None:
-    from tfdp import bench_mixed
+    from tfdp.bench import mixed as bench_mixed
     from tfdp.devices import parse_slowdown
 
     slowdown = parse_slowdown(FLAGS.slowdown)
@@ -535,10 +535,25 @@ def run_mixed(mnist_dir) -> None:
         print(f"chart: {FLAGS.plot}")
 
 
+def check_plotting() -> None:
+    """--plot needs matplotlib, an optional extra: a clear line and exit 2 without it."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        print(
+            f"tfdp-bench: error: --plot={FLAGS.plot}: needs matplotlib; "
+            "pip install 'tfdp[plot]' (or matplotlib)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+
+
 def main(argv) -> None:
     if FLAGS.worker:
         print(json.dumps(run_worker(json.loads(FLAGS.worker))))
         return
+    if FLAGS.plot:
+        check_plotting()  # before minutes of measuring
     mnist_dir = FLAGS.mnist_dir or os.environ.get("TFDP_MNIST_DIR")
     if FLAGS.suite == "mixed":
         run_mixed(mnist_dir)
