@@ -13,8 +13,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402
 
+from tfdp import onednn  # noqa: E402
 from tfdp.devices import configure_logical_devices  # noqa: E402
 
+onednn.enable_by_default()  # as the tfdp command does: the tests run its kernels
 NUM_LOGICAL_CPUS = 4
 configure_logical_devices(logical_cpus=NUM_LOGICAL_CPUS)
 

@@ -1,4 +1,5 @@
-"""oneDNN's CPU kernels: tfdp turns them on unless told otherwise, and says so."""
+"""oneDNN's CPU kernels: tfdp's commands turn them on unless told otherwise, and say so;
+importing tfdp as a library changes nothing."""
 
 import os
 import platform
@@ -14,16 +15,17 @@ import os, sys
 {before}
 import tfdp
 from tfdp import onednn
+{enable}
 print(os.environ.get("TF_ENABLE_ONEDNN_OPTS"))
 {after}
 """
 
 
-def probe(env_changes, before="", after=""):
+def probe(env_changes, before="", after="", enable="onednn.enable_by_default()"):
     env = {k: v for k, v in os.environ.items() if k not in ("TF_ENABLE_ONEDNN_OPTS", "TFDP_ONEDNN")}
     env.update(env_changes)
     out = subprocess.run(
-        [sys.executable, "-c", PROBE.format(before=before, after=after)],
+        [sys.executable, "-c", PROBE.format(before=before, after=after, enable=enable)],
         env=env,
         capture_output=True,
         text=True,
@@ -32,10 +34,20 @@ def probe(env_changes, before="", after=""):
     return out.stdout.strip().splitlines()
 
 
+def test_importing_tfdp_leaves_tensorflow_as_it_is():
+    assert probe({}, enable="") == ["None"]
+
+
 @pytest.mark.skipif(not X86_64, reason="tfdp sets the variable on x86-64 only")
-def test_importing_tfdp_turns_onednn_on():
+def test_enable_by_default_turns_onednn_on():
     lines = probe({}, after="import tensorflow; print(onednn.enabled())")
     assert lines == ["1", "True"]
+
+
+@pytest.mark.skipif(not X86_64, reason="tfdp sets the variable on x86-64 only")
+@pytest.mark.parametrize("entry_point", ["tfdp.cli", "tfdp.bench.table", "tfdp.bench.steps"])
+def test_the_entry_points_turn_onednn_on(entry_point):
+    assert probe({}, enable=f"import {entry_point}") == ["1"]
 
 
 def test_a_value_the_user_set_is_kept():

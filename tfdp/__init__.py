@@ -5,18 +5,18 @@
     result = tfdp.fit(model, (x, y), mode="weighted", powers="auto", batch_size=256, epochs=1)
     result = tfdp.train(tfdp.Config(mode="mirrored", devices="all"))   # the tutorial's runs
 
-The modules that import TensorFlow load on first use, so `import tfdp` is quick.
+The modules that import TensorFlow load on first use, so `import tfdp` is quick,
+and it leaves TensorFlow's settings as they are. The tfdp commands turn on
+oneDNN's CPU kernels where TensorFlow leaves them off (AVX2 CPUs); a library
+user does the same with `tfdp.onednn.enable_by_default()` before TensorFlow is
+first imported (see onednn.py).
 """
 
 import importlib
 
-from tfdp import onednn
-
-onednn.enable_by_default()  # before anything imports TensorFlow
-
-from tfdp.config import Config  # noqa: E402
-from tfdp.devices import configure_logical_devices, split_batch  # noqa: E402
-from tfdp.errors import ConfigError  # noqa: E402
+from tfdp.config import Config
+from tfdp.devices import configure_logical_devices, split_batch
+from tfdp.errors import ConfigError
 
 _LAZY = {
     "fit": "tfdp.training",

@@ -5,8 +5,11 @@ AVX-512-class features; elsewhere, AVX2 machines such as AMD EPYCs among them,
 it leaves them off unless `TF_ENABLE_ONEDNN_OPTS=1` is set. With them, LeNet
 trains about 1.8x faster on such a CPU (BUILD_NOTES, "oneDNN").
 
-TensorFlow reads the variable once, when its runtime loads, so tfdp sets it
-when tfdp is imported, before TensorFlow is:
+TensorFlow reads the variable once, when its runtime loads, so tfdp's entry
+points set it before TensorFlow is imported: the `tfdp` command (and so every
+worker `tfdp-launch` starts) and `tfdp-bench`. `import tfdp` changes nothing;
+a library user who wants the kernels calls `enable_by_default()` before
+TensorFlow is first imported (or sets `TF_ENABLE_ONEDNN_OPTS=1`):
   - a value the user set (`TF_ENABLE_ONEDNN_OPTS=0` turns the kernels off) is
     left as it is;
   - `TFDP_ONEDNN=tensorflow` keeps TensorFlow's own default (tfdp-bench's

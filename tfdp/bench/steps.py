@@ -37,6 +37,8 @@ from absl import app, flags  # noqa: E402
 
 from tfdp import onednn  # noqa: E402
 
+onednn.enable_by_default()  # an entry point: before TensorFlow is imported
+
 VARIANTS = {
     "bare": "tf.function step: forward, backward, SGD",
     "clocks": "the same, with tfdp's in-step device clocks (steps.timed_replica_gradients)",

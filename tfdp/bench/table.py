@@ -28,6 +28,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app, flags  # noqa: E402
 
 from tfdp import onednn  # noqa: E402
+
+onednn.enable_by_default()  # an entry point: before TensorFlow is imported
 from tfdp.bench.flops import FORWARD_FLOPS, TRAIN_FLOPS  # noqa: E402
 from tfdp.observe import CpuAccounting  # noqa: E402
 
