@@ -6,10 +6,11 @@ import statistics
 
 import pytest
 
+from cost_model import SimulatedDevice, simulate
+
 from tfdp.balance import (
     Rebalancer,
     Rebalancing,
-    SimulatedDevice,
     affine_times,
     beyond_noise,
     expected_slowest,
@@ -17,7 +18,6 @@ from tfdp.balance import (
     fitted_times,
     imbalance,
     powers_from_seconds,
-    simulate,
     whole_shares,
 )
 

@@ -167,7 +167,7 @@ def measure(spec: MixedSpec, config, trainer, arrays, job: dict) -> dict:
     def run(iterations, rebalancing=None):
         """Returns the clock when the second half of the iterations began."""
         iterator = trainer.distribute(train_dataset(arrays, batch, config.seed))
-        middle = None
+        middle, metrics = None, None
         for i in range(iterations):
             if i and i == iterations // 2:
                 float(metrics["loss"])  # wait for the first half

@@ -1,0 +1,241 @@
+"""What measures the devices and re-splits the batch during a run.
+
+The trainer is used through its methods (`seconds_alone`, `seconds_together`,
+`set_shards`, `set_delays`); the arithmetic is split.py's.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+
+from tfdp.balance.split import (
+    FIT_SPLITS,
+    MIN_SCATTER,
+    PROBE_WINDOW,
+    PROBE_WINDOWS,
+    Rebalancer,
+    _read,
+    _sign,
+    beyond_noise,
+    departures,
+    imbalance,
+    powers_from_seconds,
+    window_scatter,
+)
+
+
+def seconds_alone(trainer, batch, index: int, repeats: int = 3) -> float:
+    """Median seconds of device `index` for forward and backward on `batch`, alone.
+
+    One untimed run first: tracing and first-run costs are not the device's speed.
+    """
+    trainer.seconds_alone(batch, index)
+    return statistics.median(trainer.seconds_alone(batch, index) for _ in range(repeats))
+
+
+def _examples(batch) -> int:
+    import tensorflow as tf
+
+    return int(tf.nest.flatten(batch)[0].shape[0])
+
+
+def calibrate_slowdown(trainer, batch, factors: Sequence[float]) -> list[float]:
+    """Sets the simulated slowdown: device i alone becomes `factors[i]` times slower.
+
+    Returns the seconds of sleep per example each device gets.
+    """
+    delays = [
+        0.0 if factor == 1 else (factor - 1) * seconds_alone(trainer, batch, i) / _examples(batch)
+        for i, factor in enumerate(factors)
+    ]
+    trainer.set_delays(delays)
+    return delays
+
+
+def measure_powers(trainer, batch) -> list[float]:
+    """Auto powers: each device's examples per second on `batch`, alone."""
+    return powers_from_seconds(
+        _examples(batch), [seconds_alone(trainer, batch, i) for i in range(len(trainer.devices))]
+    )
+
+
+def settle_under_load(
+    trainer,
+    batch,
+    log: Callable[[str], None] = print,
+    window: int = PROBE_WINDOW,
+    windows: int = PROBE_WINDOWS,
+) -> Rebalancing:
+    """Auto powers, second part: all devices at once, as in training.
+
+    Timed alone, a device may have resources to itself that it shares in
+    training (cores, memory bandwidth, the host that feeds a GPU), so the
+    split from `measure_powers` can be off under load. Here every device
+    runs forward and backward on its shard of the global `batch` at the
+    same time, without updating the weights, and `Rebalancing` re-splits
+    after each of `windows` windows of `window` probe steps. One untimed run
+    first, as for the devices alone.
+
+    Returns the `Rebalancing`, whose `resplits` say what changed.
+    """
+    trainer.seconds_together(batch)
+    rebalancing = Rebalancing(trainer, window, log, first_window=window, unit="probe step")
+    for step in range(window * windows):
+        rebalancing.observe(step, trainer.seconds_together(batch))
+    return rebalancing
+
+
+class Rebalancing:
+    """Watches each device's seconds per step and re-splits at the end of each window.
+
+    Windows are `every` steps long, except the first ones of a run: 1, 1, 2,
+    4, ... steps, up to `every`. The starting split is a guess (or a
+    measurement of each device alone), and the first steps under load
+    correct it most. The first re-split goes all the way to its target, and
+    so does one right after a move that fell short (the window after a
+    re-split finds every moved device's target on the far side of its new
+    share): damping guards against overshooting, and that move did not
+    overshoot.
+    Later, a split is judged on the median times of all its steps so far (up
+    to the last `HISTORY` windows): the longer a split stands, the finer the
+    difference that can be told from noise. A window re-splits only if its
+    split is off the target by more than the noise measured so far allows
+    (`beyond_noise`; the first windows, with too few steps to measure the
+    noise, go by the tolerance alone). With the noise measured, the target
+    is the fastest expected step (`fastest_shares`).
+
+    With `every` = 0 it only keeps the latest steps' times, for the record.
+    """
+
+    HISTORY = 4  # windows of the current split that its medians are taken over
+
+    def __init__(
+        self,
+        trainer,
+        every: int,
+        log: Callable[[str], None] = print,
+        first_window: int = 1,
+        unit: str = "iteration",
+    ):
+        self.trainer = trainer
+        self.every = every
+        self.log = log
+        self.unit = unit  # what the log calls a step
+        self.rebalancer = Rebalancer(trainer.global_batch_size)
+        self.window = []
+        self.window_length = min(first_window, every)  # steps in the current window
+        self.split_steps = []  # device times of the current split's latest steps
+        self.earlier_splits = []  # (shares, median seconds, steps) of the splits before it
+        self.last_seconds = None  # the medians of the last full window
+        self.resplits = []  # one dict per re-split, for the result
+        self.scatter = []  # rows of `window_scatter`, over the windows so far
+        self.measured = False  # whether the starting split was measured under load
+        self.windows = 0  # full windows so far
+        self.last_move = None  # per device: +1, -1 or 0, how the last re-split moved its share
+
+    def carry_over(self, probe: Rebalancing) -> None:
+        """Starts from what `probe` (`settle_under_load`) measured: its steps at the
+        current split, the splits before it and the noise. The current split is
+        then no guess: the first window is as long as the probe's, and the
+        first re-split is damped like any other.
+        """
+        self.split_steps = list(probe.split_steps)
+        self.earlier_splits = list(probe.earlier_splits)
+        self.scatter = list(probe.scatter)
+        self.window_length = min(probe.every, self.every) if self.every else 0
+        self.last_move = probe.last_move
+        self.measured = True
+
+    def observe(self, iteration: int, device_seconds) -> None:
+        """Iteration `iteration` (counted from 0) is done and took `device_seconds`.
+
+        The times may be tensors still being computed: they are read only at
+        the end of a window, so the loop does not wait for each step.
+        """
+        self.window.append(device_seconds)
+        if not self.every:
+            self.window = self.window[-10:]
+            return
+        if len(self.window) < self.window_length:
+            return
+        self.window = _read(self.window)
+        self.last_seconds = self.seconds()
+        if len(self.window) > 1:
+            self.scatter += window_scatter(self.window, self.last_seconds)
+        self.split_steps = (self.split_steps + self.window)[-self.HISTORY * self.every :]
+        self.window = []
+        self.windows += 1
+        if self.windows > 1 or self.measured:  # after a guessed start: 1, 1, 2, 4, ...
+            self.window_length = min(2 * self.window_length, self.every)
+
+        seconds = [statistics.median(column) for column in zip(*self.split_steps)]
+        variances = self.log_variances()
+        old = list(self.trainer.shards)
+        rates, overheads = self.rebalancer.times(
+            old, seconds, variances, self.earlier_splits, len(self.split_steps)
+        )
+        target = self.rebalancer.aim(rates, overheads, variances)
+        fell_short = self.last_move is not None and all(
+            _sign(t - s) == m for s, t, m in zip(old, target, self.last_move) if m
+        )
+        all_the_way = fell_short or not (self.resplits or self.measured)
+        new = self.rebalancer.move_toward(old, target, first=all_the_way)
+        significant = beyond_noise(
+            departures(old, target), variances, len(self.split_steps), self.rebalancer.tolerance
+        )
+        if new == old or not significant:
+            self.last_move = None  # the split held: a later move starts afresh
+            return
+        self.trainer.set_shards(new)
+        self.last_move = [_sign(n - o) for o, n in zip(old, new)]
+        earlier = (old, seconds, len(self.split_steps))
+        self.earlier_splits = [*self.earlier_splits, earlier][-(FIT_SPLITS - 1) :]
+        self.split_steps = []
+        noise = [math.sqrt(v) for v in variances] if variances else None
+        self.resplits.append(
+            {
+                "iteration": iteration,
+                "old": old,
+                "new": new,
+                "seconds": seconds,
+                "target": [round(t, 1) for t in target],
+                # the model the target came from: overhead + share x time per example
+                "ms_per_example": [round(1000.0 / r, 4) for r in rates],
+                "overhead_seconds": [round(a, 4) for a in overheads],
+                "all_the_way": all_the_way,
+                "log_sd": noise,
+            }
+        )
+        aim = (
+            "equal finishing times"
+            if noise is None
+            else f"the fastest expected step at noise {', '.join(f'{n:.0%}' for n in noise)}"
+        )
+        self.log(
+            f"rebalanced after {self.unit} {iteration}: shares {old} -> {new} "
+            f"(device seconds per step {', '.join(f'{t:.3f}' for t in seconds)}, "
+            f"imbalance {imbalance(seconds):.0%}; aiming at {aim}"
+            f"{', all the way' if all_the_way else ''})"
+        )
+
+    def log_variances(self) -> list[float] | None:
+        """Each device's step-to-step variance of log time, pooled over the windows so
+        far; None until there are `MIN_SCATTER` steps to estimate it from.
+
+        A robust estimate, (1.4826 x the median absolute deviation) squared: a
+        window in which a device's speed changed does not inflate it for good.
+        """
+        if len(self.scatter) < MIN_SCATTER:
+            return None
+        return [
+            (1.4826 * statistics.median(abs(d) for d in column)) ** 2
+            for column in zip(*self.scatter)
+        ]
+
+    def seconds(self) -> list[float] | None:
+        """Median seconds per step of each device over the current (else the last) window."""
+        if not self.window:
+            return self.last_seconds
+        return [statistics.median(column) for column in zip(*_read(self.window))]
