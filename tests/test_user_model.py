@@ -446,3 +446,31 @@ def test_every_example_of_an_epoch_is_read_unless_the_remainder_is_dropped():
     assert [len(b) for b in dropped] == [70, 70, 70, 70]
     np.testing.assert_array_equal(np.concatenate(dropped[:3]), np.concatenate(epoch[:3]))
     assert len(set(dropped[3])) == 70  # the next epoch's first batch
+
+
+def test_a_user_model_resumes_exactly(data, tmp_path):
+    """3 steps, then a resume to 7 (through the epoch's partial last batch) in another
+    mode, give the weights of 7 straight steps: the optimizer's slots and the input
+    position come back with the checkpoint."""
+    ragged = tf.nest.map_structure(lambda leaf: np.concatenate([leaf, leaf[:10]]), data)
+    settings = dict(batch_size=BATCH, seed=SEED, log=lambda line: None)
+    straight = tfdp.fit(two_input_model, ragged, iterations=7, **settings)
+    run = str(tmp_path / "run")
+    first = tfdp.fit(two_input_model, ragged, iterations=3, model_dir=run, **settings)
+    assert first["start_iteration"] == 0
+    resumed = tfdp.fit(
+        two_input_model,
+        ragged,
+        iterations=7,
+        model_dir=run,
+        mode="weighted",
+        devices="cpu:0,cpu:1",
+        powers=(1, 2),
+        **settings,
+    )
+    assert resumed["start_iteration"] == 3
+    for got, want in zip(
+        resumed.model.get_weights(), straight.model.get_weights(), strict=True
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert resumed["final_loss"] == pytest.approx(straight["final_loss"], rel=1e-5)
