@@ -224,7 +224,10 @@ def default_intra_op_threads(config, logical_cpus: int, gpus: int, cores: int) -
         cpus = len(devices) if all(":CPU:" in d for d in devices) else 0
     if not cpus:
         return 0
-    chains = config.chains or max(1, cores // cpus)
+    # tfdp cuts shards into chains only for its built-in models (see trainers.build_trainer):
+    # a model of the user's is not known before TensorFlow starts.
+    built_in = config.model in ("lenet", "toy")
+    chains = config.chains or (max(1, cores // cpus) if built_in else 1)
     return 1 if cpus > cores or chains > 1 else 0
 
 

@@ -57,6 +57,13 @@ flags.DEFINE_list(
     "worker on loopback, as tfdp-launch starts them. Default: none.",
 )
 flags.DEFINE_bool("synthetic", False, "Random images of MNIST's shape instead of MNIST.")
+flags.DEFINE_string(
+    "model",
+    "lenet",
+    "lenet (the tutorial's, plain SGD), or MODULE:FUNCTION returning a compiled Keras model "
+    "for MNIST's images, e.g. examples/mnist_cnn.py:make_model: every row trains it, tfdp's "
+    "and Keras fit's alike.",
+)
 flags.DEFINE_string("mnist_dir", None, "MNIST IDX files (default: $TFDP_MNIST_DIR, else tfds).")
 flags.DEFINE_string("json", None, "Append one JSON line per measurement and per table row.")
 flags.DEFINE_string("plot", None, "Draw images/s against device count per mode (PNG).")
@@ -163,8 +170,19 @@ def measure_tfdp(spec: Spec, job: dict) -> dict:
     set_intra_op_threads(default_intra_op_threads(config, 0, 0, os.cpu_count() or 1))
     shards = partition(config, devices)
     arrays = load_arrays(job["synthetic"], job["mnist_dir"])
-    trainer = build_trainer(config, devices, shards)
+    trainer = build_trainer(config, devices, shards, model_spec_of(job, arrays))
     return {**time_tutorial_run(trainer, config, arrays, job), "chains": trainer.chains}
+
+
+def model_spec_of(job: dict, arrays):
+    """The job's model as tfdp trains it (None: the built-in LeNet)."""
+    if job.get("model", "lenet") == "lenet":
+        return None
+    from tfdp import models, sources
+    from tfdp.data import first_examples
+
+    make = sources.load_function(job["model"], "model")
+    return models.model_spec(make, {"dataset": first_examples(arrays, 2)})
 
 
 def measure_multiworker(spec: Spec, job: dict) -> dict:
@@ -179,7 +197,8 @@ def measure_multiworker(spec: Spec, job: dict) -> dict:
     shards = partition(config, workers)
     join_cluster(config)  # before any other TensorFlow op
     arrays = load_arrays(job["synthetic"], job["mnist_dir"])
-    return time_tutorial_run(build_trainer(config, workers, shards), config, arrays, job)
+    spec = model_spec_of(job, arrays)
+    return time_tutorial_run(build_trainer(config, workers, shards, spec), config, arrays, job)
 
 
 def time_tutorial_run(trainer, config, arrays, job: dict) -> dict:
@@ -206,7 +225,7 @@ def time_tutorial_run(trainer, config, arrays, job: dict) -> dict:
     start = time.perf_counter()
     log, steps_done = tutorial_run(job["iterations"])
     seconds = time.perf_counter() - start
-    accuracy = {i: step_metrics(trainer.objective, m)["accuracy"] for i, m in log.items()}
+    accuracy = {i: step_metrics(trainer.objective, m).get("accuracy") for i, m in log.items()}
     return {
         "seconds": seconds,
         **steps_only(steps_done - start, job),
@@ -226,16 +245,20 @@ def measure_keras(spec: Spec, job: dict) -> dict:
     devices = device_names(job["kind"], spec.devices)
     # What a Keras user would write: fit, with MirroredStrategy's own defaults.
     strategy = tf.distribute.MirroredStrategy(devices) if spec.devices > 1 else None
-    initial = initial_weights("lenet")
-    with strategy.scope() if strategy else tf.device(devices[0]):
-        model = build_model("lenet")
-        model.set_weights(initial)
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.1),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
     arrays = load_arrays(job["synthetic"], job["mnist_dir"])
+    own = model_spec_of(job, arrays)
+    initial = own.weights if own else initial_weights("lenet")
+    with strategy.scope() if strategy else tf.device(devices[0]):
+        if own:  # the user's factory, compiled as the user compiled it
+            model = own.make()
+        else:
+            model = build_model("lenet")
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.1),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"],
+            )
+        model.set_weights(initial)
     running = {}
 
     class RunningAccuracy(keras.callbacks.Callback):
@@ -351,7 +374,7 @@ def detect_kind() -> str:
     return "gpu" if tf.config.list_physical_devices("GPU") else "cpu"
 
 
-def summarize(specs, measurements, batch_size, iterations) -> list[dict]:
+def summarize(specs, measurements, batch_size, iterations, model="lenet") -> list[dict]:
     """One row per configuration: medians over the rounds, and ratios of medians."""
     peak = statistics.median(m["flops_per_second"] for m in measurements["matmul peak"])
     median = {
@@ -402,7 +425,11 @@ def summarize(specs, measurements, batch_size, iterations) -> list[dict]:
                 else None,
                 "onednn": [m.get("onednn") for m in runs],
                 "steal_fraction_max": max(steal) if steal else None,
-                "fraction_of_peak": median[spec.name] * TRAIN_FLOPS / peak,
+                # LeNet's FLOPs: for another model, no fraction
+                "fraction_of_peak": median[spec.name] * TRAIN_FLOPS / peak
+                if model == "lenet"
+                else None,
+                "model": model,
                 "accuracy_at_40": statistics.median(accuracy) if accuracy else None,
                 "peak_flops_per_second": peak,
                 "rounds": len(runs),
@@ -427,7 +454,7 @@ def format_table(rows, iterations) -> str:
             f"({r['images_per_second_min']:.0f}-{r['images_per_second_max']:.0f}) "
             f"| {r['seconds']:.2f} | {num(r['vs_tfdp_single'], '.2f')} "
             f"| {num(r['vs_keras_same_devices'], '.2f')} "
-            f"| {num(r['vs_keras_onednn_same_devices'], '.2f')} | {r['fraction_of_peak']:.2f} "
+            f"| {num(r['vs_keras_onednn_same_devices'], '.2f')} | {num(r['fraction_of_peak'], '.2f')} "
             f"| {num(r['accuracy_at_40'], '.4f')} | {num(r['steal_fraction_max'], '.0%')} |"
         )
     return "\n".join(lines)
@@ -556,6 +583,15 @@ def main(argv) -> None:
         return
     if FLAGS.plot:
         check_plotting()  # before minutes of measuring
+    if FLAGS.model != "lenet" and not FLAGS.worker:
+        from tfdp import sources
+        from tfdp.errors import ConfigError
+
+        try:
+            sources.load_function(FLAGS.model, "model")
+        except ConfigError as error:
+            print(f"tfdp-bench: error: --model={FLAGS.model}: {error.reason}", file=sys.stderr)
+            sys.exit(2)
     mnist_dir = FLAGS.mnist_dir or os.environ.get("TFDP_MNIST_DIR")
     if FLAGS.suite == "mixed":
         run_mixed(mnist_dir)
@@ -577,15 +613,22 @@ def main(argv) -> None:
         "warmup": FLAGS.warmup,
         "synthetic": FLAGS.synthetic,
         "mnist_dir": mnist_dir,
+        "model": FLAGS.model,
     }
     data = (
         "synthetic images" if FLAGS.synthetic else f"MNIST ({mnist_dir or 'tensorflow-datasets'})"
     )
+    name = "LeNet" if FLAGS.model == "lenet" else FLAGS.model
+    flops = (
+        f"; training counted as {TRAIN_FLOPS / 1e6:.1f} MFLOP/image "
+        f"(3 x {FORWARD_FLOPS / 1e6:.2f} forward)"
+        if FLAGS.model == "lenet"
+        else ""
+    )
     print(
-        f"LeNet on {data}, batch {FLAGS.batch_size}, {FLAGS.iterations} timed iterations after "
-        f"{FLAGS.warmup} warm-up; {FLAGS.rounds} interleaved rounds on {kind.upper()} devices; "
-        f"training counted as {TRAIN_FLOPS / 1e6:.1f} MFLOP/image (3 x {FORWARD_FLOPS / 1e6:.2f} "
-        "forward)",
+        f"{name} on {data}, batch {FLAGS.batch_size}, {FLAGS.iterations} timed iterations after "
+        f"{FLAGS.warmup} warm-up; {FLAGS.rounds} interleaved rounds on {kind.upper()} devices"
+        + flops,
         flush=True,
     )
     measurements = {spec.name: [] for spec in specs}
@@ -603,7 +646,7 @@ def main(argv) -> None:
             if out:
                 record = {"round": round_index + 1, **dataclasses.asdict(spec), **job, **measured}
                 out.write(json.dumps(record) + "\n")
-    rows = summarize(specs, measurements, FLAGS.batch_size, FLAGS.iterations)
+    rows = summarize(specs, measurements, FLAGS.batch_size, FLAGS.iterations, FLAGS.model)
     print()
     print(format_table(rows, FLAGS.iterations))
     if out:
@@ -611,7 +654,7 @@ def main(argv) -> None:
             out.write(json.dumps({"summary": True, **row}) + "\n")
         out.close()
     if FLAGS.plot:
-        draw(rows, FLAGS.plot, f"LeNet, batch {FLAGS.batch_size}, {kind.upper()} devices")
+        draw(rows, FLAGS.plot, f"{name}, batch {FLAGS.batch_size}, {kind.upper()} devices")
         print(f"chart: {FLAGS.plot}")
 
 

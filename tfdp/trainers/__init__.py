@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from tfdp.config import MODELS
 from tfdp.devices import default_chains
 from tfdp.trainers.base import Trainer
 
@@ -33,9 +34,13 @@ def build_trainer(config, devices: list[str], shards: list[int], spec=None) -> T
     from tfdp.trainers.weighted import WeightedTrainer
 
     slowdown = bool(config.simulate_slowdown)
-    # Chains would compute batch statistics on parts of a shard: one chain for such models.
+    # By default, only the built-in models are cut into chains: the threads per kernel
+    # are chosen for them before TensorFlow starts (devices.default_intra_op_threads),
+    # and chains would compute batch statistics on parts of a shard.
     chains = config.chains or (
-        1 if spec.batch_statistics else default_chains(devices, os.cpu_count() or 1)
+        default_chains(devices, os.cpu_count() or 1)
+        if config.model in MODELS and not spec.batch_statistics
+        else 1
     )
     if config.mode == "mirrored":
         return MirroredTrainer(
