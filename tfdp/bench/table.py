@@ -162,6 +162,7 @@ def measure_tfdp(spec: Spec, job: dict) -> dict:
     devices = device_names(job["kind"], spec.devices)
     config = Config(
         mode=spec.mode,
+        model=job.get("model", "lenet"),  # the threads per kernel depend on it
         devices=",".join(short_name(d) for d in devices),
         powers=spec.powers,
         batch_size=job["batch_size"],
@@ -192,7 +193,12 @@ def measure_multiworker(spec: Spec, job: dict) -> dict:
     from tfdp.trainers import build_trainer
     from tfdp.training import partition
 
-    config = Config(mode="multiworker", powers=spec.powers, batch_size=job["batch_size"])
+    config = Config(
+        mode="multiworker",
+        model=job.get("model", "lenet"),
+        powers=spec.powers,
+        batch_size=job["batch_size"],
+    )
     workers = list(read_cluster().workers)
     shards = partition(config, workers)
     join_cluster(config)  # before any other TensorFlow op
