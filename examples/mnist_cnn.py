@@ -49,7 +49,9 @@ def main() -> None:
     from tfdp.data import load_mnist
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mnist_dir", help="the four MNIST IDX files (default: tensorflow-datasets)")
+    parser.add_argument(
+        "--mnist_dir", help="the four MNIST IDX files (default: tensorflow-datasets)"
+    )
     parser.add_argument("--epochs", type=int, default=1)
     args = parser.parse_args()
 

@@ -270,7 +270,9 @@ def test_train_features_pass_unchanged():
 
 def test_train_order_follows_stateless_shuffle_per_epoch():
     n, batch, spe = 23, 5, 4  # 3 examples dropped per epoch
-    batches = take(data.train_dataset(indexed_arrays(n), batch, seed=7, drop_remainder=True), 3 * spe)
+    batches = take(
+        data.train_dataset(indexed_arrays(n), batch, seed=7, drop_remainder=True), 3 * spe
+    )
     got = np.concatenate([y for _, y in batches]).reshape(3, spe * batch)
     for epoch in range(3):
         np.testing.assert_array_equal(got[epoch], shuffled(n, 7, epoch)[: spe * batch])

@@ -42,9 +42,7 @@ def train_steps(mode, devices, powers, steps, images, **options):
 @pytest.fixture(scope="module")
 def reference(images):
     # the plain algorithm: one device, its batch as one chain of kernels
-    return {
-        steps: train_steps("single", CPUS[:1], (), steps, images, chains=1) for steps in (1, 3)
-    }
+    return {steps: train_steps("single", CPUS[:1], (), steps, images, chains=1) for steps in (1, 3)}
 
 
 CASES = [

@@ -306,7 +306,7 @@ def test_launch_fails_when_a_worker_fails(tmp_path):
     assert "tfdp-launch: worker " in process.stderr
 
 
-USER_MODEL = '''
+USER_MODEL = """
 import keras
 import numpy as np
 
@@ -333,7 +333,7 @@ def data():
     y = rng.integers(0, 3, 250).astype(np.int32)
     weights = rng.uniform(0.2, 2.0, 250).astype(np.float32)
     return (x, y, weights), (x, y)
-'''
+"""
 
 
 def test_two_workers_make_the_single_update_for_a_user_model(tmp_path):

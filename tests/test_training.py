@@ -122,7 +122,10 @@ def test_evaluation_is_the_same_on_every_device_set(mnist_dir):
         spec = built_in_spec(config)
         trainer = build_trainer(config, devices, partition(config, devices), spec)
         values = evaluate(trainer, spec, test, config.batch_size)
-        assert values["accuracy"] == pytest.approx(expected, abs=1e-6), (mode, devices)  # 1 example: 1e-4
+        assert values["accuracy"] == pytest.approx(expected, abs=1e-6), (
+            mode,
+            devices,
+        )  # 1 example: 1e-4
         assert values["loss"] == pytest.approx(expected_loss, rel=1e-5), (mode, devices)
 
 

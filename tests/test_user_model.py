@@ -254,7 +254,7 @@ def test_bad_models_and_data_are_refused_before_training(model, train, field, wo
     assert lines == []  # nothing ran
 
 
-USER_FILE = '''
+USER_FILE = """
 import keras
 import numpy as np
 
@@ -289,7 +289,7 @@ def ragged():
 def wide_labels():
     x = np.zeros((200, 4), np.float32)
     return (x, np.zeros((200, 7), np.float32)), None
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -393,9 +393,7 @@ def mixed_model(policy):
     return make
 
 
-@pytest.mark.parametrize(
-    "policy, tolerance", [("mixed_bfloat16", 2e-2), ("mixed_float16", 2e-3)]
-)
+@pytest.mark.parametrize("policy, tolerance", [("mixed_bfloat16", 2e-2), ("mixed_float16", 2e-3)])
 def test_mixed_precision_makes_the_same_update_in_every_mode(policy, tolerance, data):
     make = mixed_model(policy)
     single, _ = train_steps("single", CPUS[:1], (), 3, data, make=make)
@@ -469,8 +467,6 @@ def test_a_user_model_resumes_exactly(data, tmp_path):
         **settings,
     )
     assert resumed["start_iteration"] == 3
-    for got, want in zip(
-        resumed.model.get_weights(), straight.model.get_weights(), strict=True
-    ):
+    for got, want in zip(resumed.model.get_weights(), straight.model.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert resumed["final_loss"] == pytest.approx(straight["final_loss"], rel=1e-5)

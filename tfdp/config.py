@@ -122,8 +122,10 @@ def validate(config: Config) -> None:
         raise ConfigError("eval_every", config.eval_every, "must be an integer")
     if config.eval_every < 0:
         raise ConfigError("eval_every", config.eval_every, "must be 0 (at the end only) or more")
-    if config.model in MODELS and config.dataset in DATASETS and (
-        DATASET_OF_MODEL[config.model] != config.dataset
+    if (
+        config.model in MODELS
+        and config.dataset in DATASETS
+        and (DATASET_OF_MODEL[config.model] != config.dataset)
     ):
         raise ConfigError(
             "dataset",

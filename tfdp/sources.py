@@ -26,7 +26,9 @@ def load_function(text: str, field: str):
     """The function `text` (MODULE:FUNCTION) names; ConfigError naming `field` if there is none."""
     module_name, _, name = text.rpartition(":")
     if not module_name or not name.isidentifier():
-        raise ConfigError(field, text, "must be MODULE:FUNCTION, e.g. examples/mnist_cnn.py:make_model")
+        raise ConfigError(
+            field, text, "must be MODULE:FUNCTION, e.g. examples/mnist_cnn.py:make_model"
+        )
     try:
         if module_name.endswith(".py") or os.sep in module_name:
             module = _load_file(module_name)

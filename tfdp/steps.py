@@ -126,7 +126,9 @@ def clip_before_all_reduce(optimizer, gradients):
     part is within its bound) and its sum is the clipped sum. Without
     clipping, the gradients go as they are (no extra all-reduce).
     """
-    if not any(getattr(optimizer, name, None) for name in ("clipnorm", "clipvalue", "global_clipnorm")):
+    if not any(
+        getattr(optimizer, name, None) for name in ("clipnorm", "clipvalue", "global_clipnorm")
+    ):
         return gradients
     context = tf.distribute.get_replica_context()
     summed = context.all_reduce(tf.distribute.ReduceOp.SUM, gradients)

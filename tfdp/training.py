@@ -210,8 +210,8 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
         )
     samples = {field: data_lib.first_examples(train_data, 2)}
     if test_data is not None:
-        samples["validation_data" if field == "train_data" else field] = (
-            data_lib.first_examples(test_data, 2)
+        samples["validation_data" if field == "train_data" else field] = data_lib.first_examples(
+            test_data, 2
         )
     spec = model_spec_for(config, samples, model)
     steps_per_epoch = data_lib.steps_per_epoch(examples, config.batch_size, config.drop_remainder)
@@ -419,8 +419,7 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
                         {
                             **last,
                             "learning_rate": config.learning_rate,
-                            "images_per_second": examples_in(start_step, done)
-                            / max(elapsed, 1e-9),
+                            "images_per_second": examples_in(start_step, done) / max(elapsed, 1e-9),
                             **{
                                 f"shard/{short_name(d)}": n
                                 for d, n in zip(plan.devices, trainer.shards)

@@ -1,10 +1,10 @@
 """One trainer per mode, behind one interface (`base.Trainer`).
 
-    single       WeightedTrainer on one device: no split, no copies
-    mirrored     MirroredTrainer: tf.distribute.MirroredStrategy, near-equal shards
-    weighted     WeightedTrainer (--reduce=device0, the tutorial) or
-                 MirroredTrainer with uneven shards (--reduce=allreduce)
-    multiworker  MultiWorkerTrainer: one process per worker of TF_CONFIG
+single       WeightedTrainer on one device: no split, no copies
+mirrored     MirroredTrainer: tf.distribute.MirroredStrategy, near-equal shards
+weighted     WeightedTrainer (--reduce=device0, the tutorial) or
+             MirroredTrainer with uneven shards (--reduce=allreduce)
+multiworker  MultiWorkerTrainer: one process per worker of TF_CONFIG
 """
 
 from __future__ import annotations

@@ -148,4 +148,3 @@ class Trainer:
 
     def finish(self) -> None:
         """After the run's files are written."""
-

@@ -130,9 +130,7 @@ class MirroredTrainer(Trainer):
         else:  # tf.distribute split it
             examples = tf.add_n([num_examples(shard) for shard in local(batch)])
             shards = batch
-        loss, predictions, seconds = self.strategy.run(
-            self._replica_step, args=(shards, examples)
-        )
+        loss, predictions, seconds = self.strategy.run(self._replica_step, args=(shards, examples))
         inputs = {"batch": batch} if self.input == "split" else {"batches": local(batch)}
         return {
             "loss": self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None),
@@ -143,9 +141,7 @@ class MirroredTrainer(Trainer):
 
     def _split(self, batch, sizes=None):
         """A global batch on the host -> one shard per replica."""
-        shards = split(
-            batch, self.shard_sizes if sizes is None else sizes, len(self.devices)
-        )
+        shards = split(batch, self.shard_sizes if sizes is None else sizes, len(self.devices))
         return self.strategy.experimental_distribute_values_from_function(
             lambda context: shards[context.replica_id_in_sync_group]
         )

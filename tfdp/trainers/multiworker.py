@@ -140,9 +140,7 @@ class MultiWorkerTrainer(Trainer):
             return self.tf.nest.map_structure(lambda t: t if first else t[:0], local)
 
         per_replica = self.strategy.experimental_distribute_values_from_function(value)
-        return self.tf.nest.map_structure(
-            lambda v: self.strategy.gather(v, axis=0), per_replica
-        )
+        return self.tf.nest.map_structure(lambda v: self.strategy.gather(v, axis=0), per_replica)
 
     def predict(self, batch):
         """The outputs and summed loss of an evaluation batch, computed by this worker
@@ -207,7 +205,9 @@ class MultiWorkerTrainer(Trainer):
             return info, None
         probe = max(1, self.global_batch_size // len(self.workers))
         auto = self.measure_powers(data_lib.first_examples(train_data, probe))
-        rates = ", ".join(f"{w} {r:.0f}" for w, r in zip(auto["devices"], auto["images_per_second"]))
+        rates = ", ".join(
+            f"{w} {r:.0f}" for w, r in zip(auto["devices"], auto["images_per_second"])
+        )
         log(f"auto powers: measured images/sec {rates}; powers {auto['powers']}")
         info["auto_powers"] = auto
         return info, None
@@ -300,5 +300,3 @@ class WorkerCheckpointer(Checkpointer):
 def build(config, shards, spec) -> MultiWorkerTrainer:
     """The trainer of `trainers.build_trainer` for mode multiworker."""
     return MultiWorkerTrainer(join_cluster(config), read_cluster(), spec, shards)
-
-

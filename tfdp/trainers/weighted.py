@@ -30,9 +30,7 @@ from tfdp.trainers.base import Trainer
 class WeightedTrainer(Trainer):
     """Data-parallel training over devices of any kinds, with uneven shards."""
 
-    def __init__(
-        self, spec, devices, shards, slowdown=False, chains=1, timed=True, balanced=False
-    ):
+    def __init__(self, spec, devices, shards, slowdown=False, chains=1, timed=True, balanced=False):
         """
         Args:
           spec: the model (`models.ModelSpec`): a factory of compiled copies, the
@@ -147,9 +145,7 @@ class WeightedTrainer(Trainer):
         with tf.device(self.devices[0]):
             for i in self._statistics:
                 values = [model.weights[i].value for model in self.models]
-                mean = tf.add_n(
-                    [tf.cast(fractions[j], v.dtype) * v for j, v in enumerate(values)]
-                )
+                mean = tf.add_n([tf.cast(fractions[j], v.dtype) * v for j, v in enumerate(values)])
                 self.models[0].weights[i].assign(mean)
 
     def _split(self, batch, sizes=None):
