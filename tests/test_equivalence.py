@@ -144,3 +144,31 @@ def test_set_shards_must_split_the_global_batch():
     trainer = build_trainer(config, CPUS[:2], partition(config, CPUS[:2]))
     with pytest.raises(ValueError, match="do not split 100"):
         trainer.set_shards([50, 49])
+
+
+def host_callbacks(trainer, images):
+    """The ops of the traced step that call back into Python on the host."""
+    iterator = trainer.distribute(train_dataset(images, BATCH, SEED))
+    graph = trainer._train_step.get_concrete_function(iterator).graph
+    return [op.type for op in graph.get_operations() if "PyFunc" in op.type]
+
+
+@pytest.mark.parametrize(
+    "options, timed",
+    [
+        ({"mode": "weighted", "powers": (1, 5)}, False),  # fixed powers: nothing reads times
+        ({"mode": "mirrored"}, False),
+        ({"mode": "weighted", "powers": (1, 5), "reduce": "allreduce"}, False),
+        ({"mode": "weighted", "powers": "auto"}, True),
+        ({"mode": "weighted", "powers": (1, 5), "rebalance_every": 5}, True),
+        ({"mode": "mirrored", "simulate_slowdown": "cpu:1=2"}, True),
+    ],
+)
+def test_the_step_reads_the_host_clock_only_when_it_is_used(options, timed, images):
+    """On a GPU the clock syncs the device with the host every step; both kinds of step
+    make the single update (test_same_update_as_single: fixed powers are untimed, and
+    test_resplits_and_slowdown_keep_the_update is timed)."""
+    config = Config(devices="cpu:0,cpu:1", batch_size=BATCH, seed=SEED, **options)
+    trainer = build_trainer(config, CPUS[:2], partition(config, CPUS[:2]))
+    assert trainer.timed is timed
+    assert bool(host_callbacks(trainer, images)) is timed

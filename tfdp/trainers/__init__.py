@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from tfdp.config import MODELS
-from tfdp.devices import default_chains
+from tfdp.devices import AUTO, default_chains
 from tfdp.trainers.base import Trainer
 
 __all__ = ["Trainer", "build_trainer"]
@@ -34,6 +34,8 @@ def build_trainer(config, devices: list[str], shards: list[int], spec=None) -> T
     from tfdp.trainers.weighted import WeightedTrainer
 
     slowdown = bool(config.simulate_slowdown)
+    # The host clock in the step (a device-to-host sync on a GPU) only where it is read.
+    timed = config.powers == AUTO or bool(config.rebalance_every) or slowdown
     # By default, only the built-in models are cut into chains: the threads per kernel
     # are chosen for them before TensorFlow starts (devices.default_intra_op_threads),
     # and chains would compute batch statistics on parts of a shard.
@@ -51,6 +53,7 @@ def build_trainer(config, devices: list[str], shards: list[int], spec=None) -> T
             input=config.mirrored_input,
             slowdown=slowdown,
             chains=chains,
+            timed=timed,
         )
     if config.reduce == "allreduce":  # weighted shards, MirroredStrategy replicas
         return MirroredTrainer(
@@ -61,6 +64,7 @@ def build_trainer(config, devices: list[str], shards: list[int], spec=None) -> T
             shards=shards,
             slowdown=slowdown,
             chains=chains,
+            timed=timed,
         )
     return WeightedTrainer(
         spec,
@@ -68,5 +72,6 @@ def build_trainer(config, devices: list[str], shards: list[int], spec=None) -> T
         shards,
         slowdown=slowdown,
         chains=chains,
+        timed=timed,
         balanced=config.mode == "weighted",
     )

@@ -25,12 +25,16 @@ class Trainer:
       chains: side-by-side parts each device cuts its shard into.
       balanced: the split is the run's own (mode weighted): it may be measured,
         rebalanced, and saved with a checkpoint.
+      timed: each step reads every device's seconds from the host clock; only
+        when something reads them (auto powers, rebalancing, the simulated
+        slowdown), since on a GPU the clock syncs the device with the host.
     """
 
     unit = "device(s)"  # what `devices` are, for the banner
     is_chief = True  # this process writes the run's files
     chains = 1
     balanced = False
+    timed = True  # each step reads each device's seconds (`device_seconds`)
 
     # --- the step (each trainer implements these)
 
@@ -128,7 +132,10 @@ class Trainer:
         return info, settled
 
     def rebalancing(self, every: int, log, probe=None):
-        """What re-splits the batch from the step times (`balance.Rebalancing`)."""
+        """What re-splits the batch from the step times (`balance.Rebalancing`); None
+        when the steps are not timed."""
+        if not self.timed:
+            return None
         rebalancing = balance.Rebalancing(self, every, log)
         if probe:
             rebalancing.carry_over(probe)

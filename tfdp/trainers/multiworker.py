@@ -35,6 +35,7 @@ class MultiWorkerTrainer(Trainer):
     """This worker's part of synchronous training over the whole cluster."""
 
     unit = "worker(s)"
+    timed = False  # the split across workers is set once
 
     def __init__(self, strategy, cluster, spec, shards):
         """

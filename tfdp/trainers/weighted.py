@@ -112,7 +112,7 @@ class WeightedTrainer(Trainer):
             "device_seconds": tf.stack(seconds),
         }
 
-    def _shard_gradients(self, shards, examples=None):
+    def _shard_gradients(self, shards, examples=None, timed=None):
         """Every device's forward and backward on its shard of a global batch of
         `examples` (default: a full one), side by side.
 
@@ -129,7 +129,7 @@ class WeightedTrainer(Trainer):
                         self.global_batch_size if examples is None else examples,
                         self._delay(i),
                         self.chains,
-                        self.timed,
+                        self.timed if timed is None else timed,
                     )
                 )
         return tuple(list(column) for column in zip(*per_device))
@@ -179,7 +179,7 @@ class WeightedTrainer(Trainer):
         return self._seconds_together(batch)
 
     def _together(self, batch):
-        return tf.stack(self._shard_gradients(self._split(batch))[3])
+        return tf.stack(self._shard_gradients(self._split(batch), timed=True)[3])
 
     def _alone(self, batch, index):
         with tf.device(self.devices[index]):
