@@ -67,6 +67,26 @@ class Trainer:
 
     # --- the split
 
+    def set_shards(self, shards) -> None:
+        """Splits the following batches as `shards` (same global batch)."""
+        if sum(shards) != self.global_batch_size or len(shards) != len(self.devices):
+            raise ValueError(f"shards {shards} do not split {self.global_batch_size} examples")
+        self.shards = list(shards)
+        self.shard_sizes.assign(shards)
+
+    def set_delays(self, delays) -> None:
+        """Simulated slowdown: seconds of sleep per example, per device."""
+        self.delays.assign(delays)
+
+    def seconds_alone(self, batch, index: int) -> float:
+        """Device `index`'s seconds for forward and backward on `batch`, the others idle."""
+        return float(self._seconds_alone(batch, index))
+
+    def seconds_together(self, batch):
+        """Each device's seconds for forward and backward on its shard of the global
+        batch, all devices at once as in a step, without an update."""
+        return self._seconds_together(batch)
+
     def describe(self) -> str:
         """What the banner adds about this mode's reduction."""
         return ""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import tensorflow as tf
 
 from tfdp.devices import even_split, split_batch
@@ -169,26 +168,9 @@ class MirroredTrainer(Trainer):
         )
 
     def set_shards(self, shards) -> None:
-        """Splits the following batches as `shards` (same global batch)."""
         if self.input != "split":
             raise ValueError("shards can only be set with input='split'")
-        if sum(shards) != self.global_batch_size or len(shards) != len(self.devices):
-            raise ValueError(f"shards {shards} do not split {self.global_batch_size} examples")
-        self.shards = list(shards)
-        self.shard_sizes.assign(shards)
-
-    def set_delays(self, delays) -> None:
-        """Simulated slowdown: seconds of sleep per example, per replica."""
-        self.delays.assign(delays)
-
-    def seconds_alone(self, batch, index: int) -> float:
-        """Replica `index`'s seconds for forward and backward on `batch`, the others idle."""
-        return float(self._seconds_alone(batch, index))
-
-    def seconds_together(self, batch):
-        """Each replica's seconds for forward and backward on its shard of the global
-        batch, all replicas at once as in a step, without an update."""
-        return self._seconds_together(batch)
+        super().set_shards(shards)
 
     def _together(self, batch):
         seconds = self.strategy.run(
@@ -231,6 +213,3 @@ class MirroredTrainer(Trainer):
         """Sets `weights` on every replica."""
         with self.strategy.scope():
             self.model.set_weights(weights)
-
-    def get_weights(self) -> list[np.ndarray]:
-        return self.model.get_weights()

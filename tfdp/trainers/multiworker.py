@@ -239,9 +239,6 @@ class MultiWorkerTrainer(Trainer):
         with self.strategy.scope():
             self.model.set_weights(weights)
 
-    def get_weights(self) -> list[np.ndarray]:
-        return self.model.get_weights()
-
 
 def _per_replica(dataset, replicas):
     """Each (slice, examples) element cut into `replicas` near-equal consecutive pieces,

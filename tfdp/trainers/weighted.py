@@ -18,7 +18,6 @@ every device took for its shard.
 
 from __future__ import annotations
 
-import numpy as np
 import tensorflow as tf
 
 from tfdp.devices import split_batch
@@ -158,26 +157,6 @@ class WeightedTrainer(Trainer):
     def _delay(self, index):
         return None if self.delays is None else self.delays[index]
 
-    def set_shards(self, shards) -> None:
-        """Splits the following batches as `shards` (same global batch)."""
-        if sum(shards) != self.global_batch_size or len(shards) != len(self.devices):
-            raise ValueError(f"shards {shards} do not split {self.global_batch_size} examples")
-        self.shards = list(shards)
-        self.shard_sizes.assign(shards)
-
-    def set_delays(self, delays) -> None:
-        """Simulated slowdown: seconds of sleep per example, per device."""
-        self.delays.assign(delays)
-
-    def seconds_alone(self, batch, index: int) -> float:
-        """Device `index`'s seconds for forward and backward on `batch`, the others idle."""
-        return float(self._seconds_alone(batch, index))
-
-    def seconds_together(self, batch):
-        """Each device's seconds for forward and backward on its shard of the global
-        batch, all devices at once as in a step, without an update."""
-        return self._seconds_together(batch)
-
     def _together(self, batch):
         return tf.stack(self._shard_gradients(self._split(batch), timed=True)[3])
 
@@ -230,10 +209,6 @@ class WeightedTrainer(Trainer):
         """Sets `weights` on every copy."""
         for model in self.models:
             model.set_weights(weights)
-
-    def get_weights(self) -> list[np.ndarray]:
-        """Device 0's weights (the others are copies of them)."""
-        return self.models[0].get_weights()
 
     @property
     def model(self):
