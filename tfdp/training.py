@@ -365,8 +365,10 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
         )
 
     def examples_in(first, end):
-        """Examples in steps first..end-1."""
-        return sum(last_examples if partial(i) else batch for i in range(first, end))
+        """Examples in steps first..end-1: step i is an epoch's last when i + 1 is a
+        multiple of the steps per epoch."""
+        epoch_ends = end // plan.steps_per_epoch - first // plan.steps_per_epoch
+        return (end - first) * batch - epoch_ends * (batch - min(last_examples, batch))
 
     history, evals, pending = [], [], []
     metrics, last = None, None
