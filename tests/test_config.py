@@ -51,6 +51,15 @@ def test_dataset_follows_the_model():
         (dict(chains=1.5), "chains"),
         (dict(chains=True), "chains"),
         (dict(mode="multiworker", chains=2), "chains"),
+        # TensorFlow truncates these to 0 microseconds (no limit), or aborts healthy steps
+        (dict(mode="multiworker", collective_timeout=1e-9), "collective_timeout"),
+        (dict(mode="multiworker", collective_timeout=0.5), "collective_timeout"),
+        # a thread per all-reduce for the whole timeout; too large for int64 microseconds
+        (dict(mode="multiworker", collective_timeout=86401), "collective_timeout"),
+        (dict(mode="multiworker", collective_timeout=1e300), "collective_timeout"),
+        (dict(mode="multiworker", collective_timeout=math.inf), "collective_timeout"),
+        (dict(mode="multiworker", collective_timeout=math.nan), "collective_timeout"),
+        (dict(mode="multiworker", collective_timeout=-1), "collective_timeout"),
     ],
 )
 def test_bad_settings_name_their_field(changes, field):
@@ -58,3 +67,8 @@ def test_bad_settings_name_their_field(changes, field):
         Config(**changes)
     assert info.value.field == field
     assert str(info.value).startswith(f"{field}=")
+
+
+@pytest.mark.parametrize("seconds", [0, 1, 30.5, 86400])
+def test_collective_timeout_is_off_or_one_second_to_a_day(seconds):
+    assert Config(mode="multiworker", collective_timeout=seconds).collective_timeout == seconds

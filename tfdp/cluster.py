@@ -7,15 +7,22 @@ fails the next all-reduce at once, and TensorFlow's coordination service
 aborts the collectives of every worker when one stops sending heartbeats
 (about 10 s). `collective_timeout` (off by default) also bounds each
 all-reduce, for a worker that is alive but never joins.
+
+Before training, the workers agree (`Agreed`, `first_difference`): each
+exchanges a digest of every setting that fixes the update or the steps that
+run collectives, of the initial weights and of the training data. Workers
+started with different flags or files would otherwise train wrong, or hang.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
 
+from tfdp.config import Config
 from tfdp.errors import ConfigError
 
 TF_CONFIG = "TF_CONFIG"
@@ -50,6 +57,14 @@ class Cluster:
         return self.index == 0
 
 
+def _is_address(address) -> bool:
+    return (
+        isinstance(address, str)
+        and bool(_ADDRESS.match(address))
+        and 1 <= int(address.rpartition(":")[2]) <= 65535
+    )
+
+
 def read_cluster(text: str | None = None) -> Cluster:
     """Parses and checks TF_CONFIG (default: the environment's); raises ConfigError."""
     text = os.environ.get(TF_CONFIG, "") if text is None else text
@@ -77,10 +92,14 @@ def read_cluster(text: str | None = None) -> Cluster:
     if others:
         raise bad(f"has jobs {', '.join(others)}; mode multiworker runs chief and worker tasks")
     for job, addresses in cluster.items():
-        if not isinstance(addresses, list) or not all(
-            isinstance(a, str) and _ADDRESS.match(a) for a in addresses
-        ):
+        if not isinstance(addresses, list):
             raise bad(f'job "{job}" must be a list of host:port addresses')
+        for address in addresses:
+            if not _is_address(address):
+                raise bad(
+                    f'job "{job}" must be a list of host:port addresses (ports 1 to 65535), '
+                    f"not {address!r}"
+                )
     if len(cluster.get("chief", [])) > 1:
         raise bad(f"has {len(cluster['chief'])} chiefs; a cluster has at most one")
     workers = [f"{job}:{i}" for job in JOBS for i in range(len(cluster.get(job, [])))]
@@ -163,3 +182,72 @@ def describe_failure(error: BaseException, config) -> str:
     if latest:
         return f"{text}; restart every worker with the same flags to resume from {latest}"
     return f"{text}; no checkpoint was saved"
+
+
+# Settings a worker keeps to itself. Every other field of Config must be the same on
+# every worker: it fixes the update, the batches, or on which steps the workers run
+# collectives (log_every: the metrics' all-gather; checkpoint_every: saving;
+# eval_every: reading the variables); model_dir because every worker restores from it.
+LOCAL_FIELDS = (
+    "progress",  # a line on this worker's terminal
+    "data_dir",  # where this worker finds the data; the data itself is compared
+    "mnist_dir",
+    "keep_checkpoints",  # only the chief keeps checkpoints
+    "collective_timeout",  # how long this worker waits for the others
+)
+AGREED_FIELDS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in LOCAL_FIELDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreed:
+    """One thing every worker must hold the same, and how an error names it.
+
+    Attributes:
+        field, value: the setting that gives it, as the error names it.
+        text: what this worker holds, as the error shows it; its digest is compared.
+        differs: the error's words for the difference.
+        needs: the error's words for the cure.
+    """
+
+    field: str
+    value: object
+    text: str
+    differs: str = "differs between workers"
+    needs: str = "every worker needs the same settings"
+
+
+def digest(text: str) -> int:
+    """A 48-bit hash of `text`, the same in every process (float64 holds it exactly)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=6).digest(), "big")
+
+
+def arrays_digest(arrays) -> str:
+    """A hex digest of numpy arrays: their dtypes, shapes and bytes."""
+    import numpy as np
+
+    hashed = hashlib.blake2b(digest_size=6)
+    for array in arrays:
+        array = np.ascontiguousarray(array)
+        hashed.update(f"{array.dtype.str}{array.shape};".encode())
+        hashed.update(memoryview(array).cast("B"))
+    return hashed.hexdigest()
+
+
+def settings_to_agree(config: Config) -> list[Agreed]:
+    """The config's settings that every worker must share (AGREED_FIELDS)."""
+    return [
+        Agreed(field, getattr(config, field), json.dumps(getattr(config, field)))
+        for field in AGREED_FIELDS
+    ]
+
+
+def first_difference(digests) -> int | None:
+    """The first column of `digests` (one row per worker) whose workers disagree."""
+    columns = list(zip(*digests))
+    return next((i for i, column in enumerate(columns) if len(set(column)) > 1), None)
+
+
+def disagreement(agreed: Agreed, workers, texts) -> ConfigError:
+    """The error for `agreed`, which differs between `workers`: each one's `texts`."""
+    held = ", ".join(f"{worker} {text}" for worker, text in zip(workers, texts))
+    return ConfigError(agreed.field, agreed.value, f"{agreed.differs} ({held}); {agreed.needs}")

@@ -19,6 +19,11 @@ COLLECTIVES = ("auto", "ring", "nccl")
 # Each model reads one kind of input.
 DATASET_OF_MODEL = {"lenet": "mnist", "toy": "toy"}
 DEFAULT_ITERATIONS = 50  # the tutorial's run
+# --collective_timeout's range. TensorFlow counts it in whole microseconds (a smaller
+# one is no limit) and silently drops one too large for them; below a second it
+# aborts healthy all-reduces, which wait for the slowest worker's step.
+MIN_COLLECTIVE_TIMEOUT = 1.0
+MAX_COLLECTIVE_TIMEOUT = 86400.0  # a day
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,11 +172,12 @@ def validate(config: Config) -> None:
     if (
         isinstance(timeout, bool)
         or not isinstance(timeout, (int, float))
-        or not math.isfinite(timeout)
-        or timeout < 0
+        or not (timeout == 0 or MIN_COLLECTIVE_TIMEOUT <= timeout <= MAX_COLLECTIVE_TIMEOUT)
     ):
         raise ConfigError(
             "collective_timeout",
             timeout,
-            "must be a finite number of seconds, 0 (no limit) or more",
+            f"must be 0 (no limit) or {MIN_COLLECTIVE_TIMEOUT:g} to {MAX_COLLECTIVE_TIMEOUT:g} "
+            "seconds; TensorFlow keeps a thread per all-reduce for the whole timeout, "
+            "so keep it short",
         )

@@ -12,6 +12,11 @@ per local GPU. Per step:
      workers and applies one update (the compiled optimizer's) on every worker.
 So the update is the one `single` makes on the whole batch.
 
+Before any collective of training, the workers agree (`agree`): on every
+setting that fixes the update and on the initial weights when the trainer is
+made (before a restore), on the training data in `set_up_split`, the first
+place the trainer sees it. A difference stops every worker with ConfigError.
+
 Only the chief (task `chief`, else `worker:0`) writes the model directory;
 the cluster itself (TF_CONFIG, joining, failures) is tfdp/cluster.py.
 """
@@ -24,8 +29,18 @@ import time
 
 import numpy as np
 
+from tfdp import data as data_lib
 from tfdp.checkpoints import Checkpointer
-from tfdp.cluster import join_cluster, read_cluster
+from tfdp.cluster import (
+    Agreed,
+    arrays_digest,
+    digest,
+    disagreement,
+    first_difference,
+    join_cluster,
+    read_cluster,
+    settings_to_agree,
+)
 from tfdp.devices import split_batch
 from tfdp.errors import ConfigError
 from tfdp.trainers.base import Trainer
@@ -37,14 +52,15 @@ class MultiWorkerTrainer(Trainer):
     unit = "worker(s)"
     timed = False  # the split across workers is set once
 
-    def __init__(self, strategy, cluster, spec, shards):
+    def __init__(self, strategy, cluster, spec, shards, config):
         """
         Args:
           strategy: from `join_cluster`.
           cluster: from `read_cluster`.
           spec: the model (`models.ModelSpec`); its factory is called in the
-            strategy's scope; its weights are the same on every worker.
+            strategy's scope; its weights must be the same on every worker.
           shards: examples per worker; they sum to the global batch.
+          config: the run's settings; they must be the same on every worker.
         """
         import tensorflow as tf
 
@@ -69,6 +85,8 @@ class MultiWorkerTrainer(Trainer):
         self._predict_step = tf.function(self._predict, reduce_retracing=True)
         self._sum = tf.function(lambda values: strategy.reduce("SUM", values, axis=None))
         self._all_gather = tf.function(self._gather_slices, reduce_retracing=True)
+        self.config = config
+        self.agree([*settings_to_agree(config), initial_weights(config, spec.weights)])
 
     def distribute(self, dataset):
         """The iterator `train_step` reads: this worker's slice of every global batch, with
@@ -152,19 +170,38 @@ class MultiWorkerTrainer(Trainer):
         return self.objective.summed_loss(self.model, batch)
 
     def gather(self, value: float) -> list[float]:
-        """Every worker's `value`, in worker order, on every worker: one all-reduce.
+        """Every worker's `value`, in worker order, on every worker: one all-reduce."""
+        return self.exchange([value])[:, 0].tolist()
 
-        Each worker contributes a vector that is zero except at its own index.
-        """
-        one_hot = np.zeros(len(self.workers))
-        one_hot[self.index] = value
+    def exchange(self, vector) -> np.ndarray:
+        """Every worker's `vector` (as long on every worker) as rows in worker order, on
+        every worker: one all-reduce of a matrix that is zero outside this worker's row."""
+        rows = np.zeros((len(self.workers), len(vector)))
+        rows[self.index] = vector
 
         def contribution(context):
             first_local = context.replica_id_in_sync_group % self.local_replicas == 0
-            return self.tf.constant(one_hot if first_local else 0 * one_hot, self.tf.float64)
+            return self.tf.constant(rows if first_local else 0 * rows, self.tf.float64)
 
         values = self.strategy.experimental_distribute_values_from_function(contribution)
-        return self._sum(values).numpy().tolist()
+        return self._sum(values).numpy()
+
+    def exchange_text(self, text: str) -> list[str]:
+        """Every worker's `text`, in worker order: their lengths, then their bytes."""
+        data = text.encode()
+        lengths = [int(n) for n in self.gather(len(data))]
+        rows = self.exchange(list(data.ljust(max(lengths), b"\0")))
+        return [bytes(int(b) for b in row[:n]).decode() for row, n in zip(rows, lengths)]
+
+    def agree(self, items: list[Agreed]) -> None:
+        """Raises ConfigError on every worker, naming the first of `items` that differs
+        between the workers and each worker's copy. One all-reduce of digests (48 bits:
+        exact in float64); two more for the texts of a difference."""
+        rows = self.exchange([digest(item.text) for item in items])
+        differing = first_difference(rows.tolist())
+        if differing is not None:
+            item = items[differing]
+            raise disagreement(item, self.workers, self.exchange_text(item.text))
 
     def measure_powers(self, batch, min_seconds: float = 0.5, min_steps: int = 5) -> dict:
         """`--powers=auto`: each worker's examples/second; re-splits the global batch by them.
@@ -197,10 +234,11 @@ class MultiWorkerTrainer(Trainer):
         return {"devices": self.workers, "images_per_second": rates, "powers": powers}
 
     def set_up_split(self, config, train_data, log, measure=True):
-        """`--powers=auto`: every worker measures itself and all get the same split."""
-        from tfdp import data as data_lib
+        """The workers agree on the training data (the first place the trainer sees it);
+        `--powers=auto`: every worker measures itself and all get the same split."""
         from tfdp.devices import AUTO
 
+        self.agree([training_data(config, train_data)])
         info = {"simulated_slowdown": None, "auto_powers": None}
         if not measure or config.powers != AUTO:
             return info, None
@@ -297,4 +335,33 @@ class WorkerCheckpointer(Checkpointer):
 
 def build(config, shards, spec) -> MultiWorkerTrainer:
     """The trainer of `trainers.build_trainer` for mode multiworker."""
-    return MultiWorkerTrainer(join_cluster(config), read_cluster(), spec, shards)
+    return MultiWorkerTrainer(join_cluster(config), read_cluster(), spec, shards, config)
+
+
+def initial_weights(config, weights) -> Agreed:
+    """The initial weights, for `agree`: a model function must not depend on the worker."""
+    return Agreed(
+        "model",
+        config.model,
+        f"{len(weights)} arrays, digest {arrays_digest(weights)}",
+        differs="its initial weights differ between workers",
+        needs="every worker must start from the same weights (seed them the same everywhere)",
+    )
+
+
+def training_data(config, data) -> Agreed:
+    """The training data, for `agree`, named by the setting that chose it."""
+    import tensorflow as tf
+
+    field, value = "dataset", config.dataset
+    if config.dataset == "mnist" and (config.mnist_dir or config.data_dir):
+        field = "mnist_dir" if config.mnist_dir else "data_dir"
+        value = getattr(config, field)
+    leaves = [data.images, data.labels] if isinstance(data, data_lib.Arrays) else data
+    return Agreed(
+        field,
+        value,
+        f"{data_lib.size(data)} examples, digest {arrays_digest(tf.nest.flatten(leaves))}",
+        differs="the training data differs between workers",
+        needs="every worker must read the same data",
+    )
