@@ -1,0 +1,351 @@
+"""What reaches the disk: a corrupt checkpoint falls back to the previous one,
+writers never replace a link or a stream and leave no temporary file, a full
+disk during a save keeps the last good checkpoint, and files honour the umask.
+
+Resumes are `tfdp` subprocesses with the toy model. Full and read-only
+filesystems are tiny tmpfs mounts (the tests run as root); where mounting is
+not allowed, those tests are skipped and say why.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+from conftest import own_stderr_lines, tfdp
+
+from tfdp.checkpoints import Checkpointer, StorageError, export_model, write_atomically
+from tfdp.config import Config
+
+TOY = ["--model=toy", "--batch_size=100", "--progress=never", "--checkpoint_every=10"]
+
+
+def checkpoints(model_dir):
+    return os.path.join(model_dir, "checkpoints")
+
+
+def load_weights(model_dir):
+    import keras
+
+    return keras.models.load_model(os.path.join(model_dir, "model.keras")).get_weights()
+
+
+def result(model_dir):
+    with open(os.path.join(model_dir, "result.json")) as f:
+        return json.load(f)
+
+
+def assert_same_run(straight, resumed):
+    """The resumed run ends with the straight run's weights and logs its numbers."""
+    for x, y in zip(load_weights(straight), load_weights(resumed), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+    logged = {entry["iteration"]: entry for entry in result(straight)["log"]}
+    assert result(resumed)["log"], "the resumed run logged nothing"
+    for entry in result(resumed)["log"]:
+        assert entry == pytest.approx(logged[entry["iteration"]], rel=1e-5)
+    assert result(resumed)["test_accuracy"] == result(straight)["test_accuracy"]
+
+
+def index_names(model_dir):
+    """The checkpoint names of the index file, latest first."""
+    with open(os.path.join(checkpoints(model_dir), "checkpoint")) as f:
+        return [line.split('"')[1] for line in f if "checkpoint_path" in line]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A straight run of 30 iterations, and one of 20 (checkpoints 10 and 20) to damage."""
+    straight = str(tmp_path_factory.mktemp("straight"))
+    twenty = str(tmp_path_factory.mktemp("twenty"))
+    for model_dir, iterations in ((straight, 30), (twenty, 20)):
+        process = tfdp(*TOY, f"--iterations={iterations}", f"--model_dir={model_dir}")
+        assert process.returncode == 0, process.stderr
+    return straight, twenty
+
+
+def copy_run(source, tmp_path):
+    model_dir = str(tmp_path / "run")
+    shutil.copytree(source, model_dir)
+    return model_dir
+
+
+def truncate_data(model_dir, step):
+    path = os.path.join(checkpoints(model_dir), f"ckpt-{step}.data-00000-of-00001")
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+def delete_index(model_dir, step):
+    os.remove(os.path.join(checkpoints(model_dir), f"ckpt-{step}.index"))
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (truncate_data, "its data file is truncated"),
+        (delete_index, "its index file is missing"),
+    ],
+)
+def test_a_damaged_latest_checkpoint_resumes_from_the_previous_one(runs, tmp_path, damage, reason):
+    straight, twenty = runs
+    model_dir = copy_run(twenty, tmp_path)
+    damage(model_dir, 20)
+
+    resumed = tfdp(*TOY, "--iterations=30", f"--model_dir={model_dir}")
+    assert resumed.returncode == 0, resumed.stderr
+    bad, good = (os.path.join(checkpoints(model_dir), f"ckpt-{s}") for s in (20, 10))
+    aside = os.path.join(checkpoints(model_dir), "unreadable", "ckpt-20")
+    [skipped] = [line for line in resumed.stdout.splitlines() if line.startswith("skipped")]
+    assert skipped.startswith(f"skipped checkpoint {bad}: {reason}")
+    assert skipped.endswith(f"; moved its files to {aside}; resuming from {good}")
+    assert "resuming at iteration 10" in resumed.stdout
+    assert result(model_dir)["start_iteration"] == 10
+    assert_same_run(straight, model_dir)
+    # The damaged files are kept aside; the new ckpt-20 is the resumed run's own.
+    assert os.listdir(aside)
+    assert index_names(model_dir) == ["ckpt-30", "ckpt-10", "ckpt-20", "ckpt-30"]
+
+
+def test_a_garbled_index_resumes_from_the_newest_checkpoint(runs, tmp_path):
+    straight, twenty = runs
+    model_dir = copy_run(twenty, tmp_path)
+    index = os.path.join(checkpoints(model_dir), "checkpoint")
+    with open(index, "w") as f:
+        f.write('model_checkpoint_path: "ckpt-2\x00\x17garbage')
+
+    resumed = tfdp(*TOY, "--iterations=30", f"--model_dir={model_dir}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"the checkpoint index {index} is unreadable (" in resumed.stdout
+    assert "resuming at iteration 20" in resumed.stdout
+    assert_same_run(straight, model_dir)
+    assert index_names(model_dir)[0] == "ckpt-30"
+
+
+def test_no_checkpoint_that_reads_back_is_an_error(runs, tmp_path):
+    _, twenty = runs
+    model_dir = copy_run(twenty, tmp_path)
+    truncate_data(model_dir, 20)
+    delete_index(model_dir, 10)
+    before = sorted(os.listdir(checkpoints(model_dir)))
+
+    process = tfdp(*TOY, "--iterations=30", f"--model_dir={model_dir}")
+    assert process.returncode == 2, process.stderr
+    [line] = own_stderr_lines(process)
+    assert line.startswith(
+        f"tfdp: error: --model_dir={model_dir}: none of its checkpoints reads back (ckpt-20: "
+    )
+    assert "ckpt-10: its index file is missing" in line
+    assert sorted(os.listdir(checkpoints(model_dir))) == before  # nothing moved, nothing written
+
+
+# --- writers ---------------------------------------------------------------
+
+
+def test_through_a_symlink_the_link_stays_and_its_file_gets_the_text(tmp_path):
+    target = tmp_path / "runs" / "result.json"
+    target.parent.mkdir()
+    target.write_text("old")
+    link = tmp_path / "latest.json"
+    link.symlink_to(target)
+
+    write_atomically(str(link), "new\n")
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert target.read_text() == "new\n"
+    assert not [name for name in os.listdir(target.parent) if name.startswith(".tmp-")]
+
+
+@pytest.mark.parametrize("through_link", [False, True])
+def test_a_fifo_is_written_through_not_replaced(tmp_path, through_link):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    path = tmp_path / "link" if through_link else fifo
+    if through_link:
+        path.symlink_to(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # lets the writer open at once
+    try:
+        write_atomically(str(path), '{"a": 1}\n')
+        assert os.read(reader, 100) == b'{"a": 1}\n'
+    finally:
+        os.close(reader)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert path.is_symlink() == through_link
+    assert sorted(os.listdir(tmp_path)) == sorted({"fifo", path.name})
+
+
+WRITE_TO_STDOUT = (
+    "import sys; from tfdp.checkpoints import write_atomically; "
+    "print('before', flush=True); write_atomically('/dev/stdout', 'TEXT\\n'); print('after')"
+)
+
+
+def test_dev_stdout_prints_into_a_pipe_and_into_a_redirected_file(tmp_path):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    piped = subprocess.run(
+        [sys.executable, "-c", WRITE_TO_STDOUT],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == "before\nTEXT\nafter\n"
+
+    # Redirected to a file, /dev/stdout resolves to that file: it must be
+    # neither replaced (the rest of stdout would be lost) nor truncated.
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        redirected = subprocess.run(
+            [sys.executable, "-c", WRITE_TO_STDOUT], check=False, stdout=f, env=env, timeout=120
+        )
+    assert redirected.returncode == 0
+    assert out.read_text() == "before\nTEXT\nafter\n"
+    assert os.listdir(tmp_path) == ["out.txt"]
+
+
+def tiny_model(units=4):
+    import keras
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(units)])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002], ids=oct)
+def test_files_honour_the_umask(tmp_path, umask):
+    model_dir = str(tmp_path)
+    previous = os.umask(umask)
+    try:
+        write_atomically(os.path.join(model_dir, "result.json"), "{}\n")
+        export_model(tiny_model(), os.path.join(model_dir, "model.keras"))
+        checkpointer = Checkpointer(
+            toy_config(model_dir), fake_trainer(tiny_model(), balanced=True)
+        )
+        checkpointer.save(1)
+    finally:
+        os.umask(previous)
+    for name in ("result.json", "model.keras", "run.json", "shares.json", "checkpoints/checkpoint"):
+        mode = stat.S_IMODE(os.stat(os.path.join(model_dir, name)).st_mode)
+        assert mode == 0o666 & ~umask, f"{name}: {oct(mode)}"
+
+
+# --- full and read-only filesystems ----------------------------------------
+
+
+@contextlib.contextmanager
+def tmpfs(directory, options):
+    """A tmpfs mounted at `directory` for the block; skips the test where mounting fails."""
+    os.makedirs(directory, exist_ok=True)
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mount.stderr.strip() or mount.returncode})")
+    try:
+        yield str(directory)
+    finally:
+        unmount = subprocess.run(["umount", str(directory)], check=False, capture_output=True)
+        if unmount.returncode != 0:
+            subprocess.run(["umount", "-l", str(directory)], check=True)
+
+
+@pytest.mark.parametrize(
+    "options, text, errno_text",
+    [
+        ("ro,size=64k", "{}\n", "[Errno 30] Read-only file system"),
+        ("size=64k", "x" * 300_000, "[Errno 28] No space left on device"),
+    ],
+    ids=["read-only", "full"],
+)
+def test_a_write_that_fails_names_the_path_and_leaves_no_temporary_file(
+    tmp_path, options, text, errno_text
+):
+    with tmpfs(tmp_path / "mnt", options) as directory:
+        path = os.path.join(directory, "result.json")
+        with pytest.raises(StorageError) as raised:
+            write_atomically(path, text)
+        assert str(raised.value) == f"could not write {path}: {errno_text}"
+        assert raised.value.path == path
+        assert os.listdir(directory) == []
+
+
+def test_an_export_to_a_full_disk_leaves_no_temporary_file(tmp_path):
+    with tmpfs(tmp_path / "mnt", "size=64k") as directory:
+        path = os.path.join(directory, "model.keras")
+        with pytest.raises(StorageError) as raised:
+            export_model(tiny_model(units=20_000), path)  # 320 KB of weights
+        assert str(raised.value) == f"could not write {path}: [Errno 28] No space left on device"
+        assert os.listdir(directory) == []
+
+
+def test_an_export_never_replaces_a_fifo(tmp_path):
+    fifo = tmp_path / "model.keras"
+    os.mkfifo(fifo)
+    with pytest.raises(StorageError, match="it is not a regular file"):
+        export_model(tiny_model(), str(fifo))
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert os.listdir(tmp_path) == ["model.keras"]
+
+
+def toy_config(model_dir, **changes):
+    return Config(model="toy", model_dir=model_dir, **changes)
+
+
+def fake_trainer(model, balanced=False):
+    """What Checkpointer asks of a trainer."""
+    import keras
+
+    return types.SimpleNamespace(
+        model=model,
+        optimizer=keras.optimizers.SGD(0.1),
+        balanced=balanced,
+        devices=["/device:CPU:0"],
+        shards=[100],
+        is_chief=True,
+        sync_copies=lambda: None,
+    )
+
+
+def test_a_full_disk_during_a_save_keeps_the_last_good_checkpoint(tmp_path):
+    from tfdp.models import toy_mlp
+
+    with tmpfs(tmp_path / "mnt", "size=300k") as model_dir:
+        config = toy_config(model_dir, hidden_units=200, keep_checkpoints=10)  # ~110 KB a save
+        checkpointer = Checkpointer(config, fake_trainer(toy_mlp(hidden_units=200)))
+        model = checkpointer.trainer.model
+        rng = np.random.default_rng(0)
+        saved = {}
+        for step in range(10, 110, 10):
+            model.set_weights([rng.normal(size=w.shape) for w in model.get_weights()])
+            try:
+                checkpointer.save(step)
+            except StorageError as error:
+                failed, failure = step, error
+                break
+            saved[step] = model.get_weights()
+        else:
+            pytest.fail("every save fitted on the 300 KiB disk")
+        assert failed >= 20, "not even the first checkpoint fitted"
+        assert failure.path == os.path.join(model_dir, "checkpoints", f"ckpt-{failed}")
+        assert str(failure).startswith(f"could not write {failure.path}: ")
+        assert "No space left on device" in str(failure)
+        names = os.listdir(os.path.join(model_dir, "checkpoints"))
+        assert not [name for name in names if name.startswith(f"ckpt-{failed}")], names
+        last = failed - 10
+        assert checkpointer.manager.latest_checkpoint.endswith(f"ckpt-{last}")
+
+        # A fresh model restores the last good checkpoint, without falling back.
+        fresh = Checkpointer(config, fake_trainer(toy_mlp(hidden_units=200, seed=1)))
+        lines = []
+        assert fresh.restore(log=lines.append) == last
+        assert lines == []
+        for x, y in zip(fresh.trainer.model.get_weights(), saved[last], strict=True):
+            np.testing.assert_array_equal(x, y)
