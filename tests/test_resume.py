@@ -113,6 +113,36 @@ def test_resume_after_sigkill_is_exact(mode, straight_run, tmp_path):
     assert_same_run(straight, model_dir)
 
 
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_the_step_and_the_restart_is_exact(mode, signum, straight_run, tmp_path):
+    args, straight = straight_run(mode)
+    model_dir = str(tmp_path)
+    stopped = tfdp(*args, f"--model_dir={model_dir}", wait=False)
+    deadline = time.monotonic() + 300
+    while (latest_step(model_dir) or 0) < 100:  # mid-run, and past a scheduled save
+        assert stopped.poll() is None, f"ended before the signal: {stopped.communicate()}"
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+    stopped.send_signal(signum)
+    _, err = stopped.communicate(timeout=300)
+    assert stopped.returncode == 128 + signum, err  # the conventional status: it was running
+    step = latest_step(model_dir)
+    assert 100 <= step < 1500
+    name = signal.Signals(signum).name
+    [line] = [line for line in err.splitlines() if line.startswith("tfdp: ")]
+    assert line == (
+        f"tfdp: stopped by {name} after iteration {step}; saved "
+        f"{model_dir}/checkpoints/ckpt-{step}; run the same command again to resume"
+    )
+    assert not os.path.exists(os.path.join(model_dir, "model.keras"))
+
+    resumed = tfdp(*args, f"--model_dir={model_dir}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming at iteration {step}" in resumed.stdout
+    assert_same_run(straight, model_dir)
+
+
 def test_kills_during_checkpoint_writes(straight_run, tmp_path):
     # Saving at every step, most of the time goes to writing checkpoints, so
     # the kills land in the middle of saves.

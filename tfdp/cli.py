@@ -45,6 +45,7 @@ from tfdp.devices import (  # noqa: E402
     set_intra_op_threads,
 )
 from tfdp.errors import ConfigError  # noqa: E402
+from tfdp.signals import Stopped  # noqa: E402
 
 FLAGS = flags.FLAGS
 _DEFAULTS = Config()
@@ -319,8 +320,11 @@ def main(argv: list[str]) -> None:
         result = training.run(plan)
     except ConfigError as error:  # a checkpoint that does not fit, found when restoring
         _fail(f"{_flag_text(error.field, error.value)}: {error.reason}")
-    except training.NonFiniteLoss as error:
+    except training.NonFinite as error:
         _fail(str(error), status=1)
+    except Stopped as error:  # SIGTERM or Ctrl-C, after saving the step
+        print(f"tfdp: {error}", file=sys.stderr)
+        sys.exit(error.exit_status)
     except Exception as error:  # a worker of the cluster died or stopped responding
         from tfdp import cluster
 

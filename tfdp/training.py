@@ -7,6 +7,7 @@ dict that `--result_json` writes; `train` is the two in one call.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -27,8 +28,10 @@ from tfdp.devices import (
     split_batch,
 )
 from tfdp.errors import ConfigError
+from tfdp.lock import ModelDirLock
 from tfdp.models import ModelSpec
 from tfdp.observe import Progress, Summaries
+from tfdp.signals import Stopped, StopSignals
 from tfdp.trainers import build_trainer
 
 
@@ -128,9 +131,15 @@ def load_split(config: Config, split: str):
     if mnist_dir:
         field = "mnist_dir" if config.mnist_dir else data_lib.MNIST_DIR_ENV
         try:
-            return data_lib.load_mnist_idx(mnist_dir, split)
+            arrays = data_lib.load_mnist_idx(mnist_dir, split)
         except (OSError, ValueError) as error:
             raise ConfigError(field, mnist_dir, str(error)) from error
+        if len(arrays) == 0:
+            needs = "evaluation" if split == "test" else "training"
+            raise ConfigError(
+                field, mnist_dir, f"its {split} split has no examples; {needs} needs at least one"
+            )
+        return arrays
     try:
         return data_lib.load_mnist_tfds(split, config.data_dir)
     except Exception as error:  # tensorflow-datasets raises many kinds on download or read
@@ -208,11 +217,16 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
             config.batch_size,
             f"is larger than the {examples} training examples",
         )
+    test_field = "validation_data" if field == "train_data" else field
+    if test_data is not None and data_lib.size(test_data) == 0:
+        raise ConfigError(
+            test_field,
+            config.dataset if test_field == "dataset" else "(0 examples)",
+            "has no evaluation examples; give some, or none (None) to skip evaluation",
+        )
     samples = {field: data_lib.first_examples(train_data, 2)}
     if test_data is not None:
-        samples["validation_data" if field == "train_data" else field] = data_lib.first_examples(
-            test_data, 2
-        )
+        samples[test_field] = data_lib.first_examples(test_data, 2)
     spec = model_spec_for(config, samples, model)
     steps_per_epoch = data_lib.steps_per_epoch(examples, config.batch_size, config.drop_remainder)
     if config.iterations is not None:
@@ -242,8 +256,9 @@ def resumed_shares(config: Config, trainer, checkpointer) -> dict | None:
     return saved
 
 
-class NonFiniteLoss(RuntimeError):
-    """The loss became NaN or infinite; the run stopped without saving that state."""
+class NonFinite(RuntimeError):
+    """The loss or the weights became NaN or infinite; the run stopped without saving
+    that state."""
 
 
 def first_non_finite(pending) -> int | None:
@@ -252,6 +267,56 @@ def first_non_finite(pending) -> int | None:
         if not math.isfinite(float(loss)):
             return step
     return None
+
+
+def non_finite_weights(model) -> list[str]:
+    """The model's variables (weights and statistics) holding a NaN or an infinity."""
+    import numpy as np
+
+    return [v.path for v in model.weights if not np.isfinite(np.asarray(v)).all()]
+
+
+def restore(checkpointer, trainer, log) -> int:
+    """The step the latest good checkpoint continues from (0: none).
+
+    A checkpoint holds the optimizer's learning rate; a resumed run trains at
+    the rate it is given now (`--learning_rate`, or a user's compiled optimizer).
+    """
+    if checkpointer is None:
+        return 0
+    try:
+        rate = float(trainer.optimizer.learning_rate)
+    except TypeError:  # a schedule: it follows the restored iteration count
+        rate = None
+    step = checkpointer.restore()
+    if rate is not None:
+        trainer.optimizer.learning_rate = rate
+    return step
+
+
+def saved_result(plan: Plan, start_step: int) -> dict | None:
+    """For a run resumed at or past its planned end: the result it saved (None if
+    there is none: it stopped between its last checkpoint and its result).
+    An end before the checkpoint's step is an error: those steps cannot be undone."""
+    config = plan.config
+    if start_step > plan.total_steps:
+        field, value = (
+            ("epochs", config.epochs)
+            if config.iterations is None and config.epochs is not None
+            else ("iterations", plan.total_steps)
+        )
+        raise ConfigError(
+            field,
+            value,
+            f"ends at iteration {plan.total_steps}, before the checkpoint of iteration "
+            f"{start_step} in {config.model_dir}; train at least to {start_step}, or use "
+            "another --model_dir",
+        )
+    try:
+        with open(os.path.join(config.model_dir, "result.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def banner(plan: Plan, trainer, start_step: int, shards: list[int]) -> str:
@@ -317,18 +382,43 @@ def described(values: dict[str, float], prefix: str = "") -> str:
 def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
     """Trains as planned; logs like the tutorial; returns the result dict.
 
-    With `model_dir`, resumes from its latest checkpoint, saves every
-    `checkpoint_every` steps and at the end, writes TensorBoard summaries, the
-    model (model.keras) and the result (result.json).
+    With `model_dir`, holds its lock (`lock.ModelDirLock`), resumes from its
+    latest good checkpoint, saves every `checkpoint_every` steps and at the
+    end, writes TensorBoard summaries, the model (model.keras) and the result
+    (result.json). A run resumed at its end returns its saved result.
+
+    Raises:
+      signals.Stopped: SIGTERM or SIGINT arrived; the step it came in was saved.
+      NonFinite: the loss or the weights stopped being finite.
     """
+    config = plan.config
+    trainer = build_trainer(config, plan.devices, plan.shards, plan.spec)
+    locked = config.model_dir and trainer.is_chief  # only the chief writes model_dir
+    lock = ModelDirLock(config.model_dir) if locked else contextlib.nullcontext()
+    with lock, StopSignals() as stop:
+        return train_loop(plan, trainer, stop, log)
+
+
+def train_loop(plan: Plan, trainer, stop: StopSignals, log: Callable[[str], None]) -> dict:
+    """`run`'s loop, for a trainer built from `plan`; stops at a step boundary when
+    `stop` has caught a signal."""
     import keras
     import tensorflow as tf
 
     config = plan.config
     batch = config.batch_size
-    trainer = build_trainer(config, plan.devices, plan.shards, plan.spec)
     checkpointer = trainer.checkpointer(config) if config.model_dir else None
-    start_step = checkpointer.restore() if checkpointer else 0  # before anything is written
+    start_step = restore(checkpointer, trainer, log)  # before anything is written
+    if start_step >= plan.total_steps and checkpointer:
+        saved = saved_result(plan, start_step)
+        if saved is not None:
+            log(
+                f"the run in {config.model_dir} is finished (iteration {start_step} of "
+                f"{plan.total_steps}); nothing to do"
+            )
+            result = FitResult(saved)
+            result.model = trainer.model
+            return result
     summaries = Summaries(config.model_dir) if config.model_dir and trainer.is_chief else None
     progress = Progress(plan.total_steps, batch, start_step) if config.progress else None
 
@@ -382,10 +472,25 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
             if progress:
                 progress.close()
             kept = checkpointer.manager.latest_checkpoint if checkpointer else None
-            raise NonFiniteLoss(
+            raise NonFinite(
                 f"the loss became non-finite at iteration {bad}; stopped before saving that "
                 + (f"state; the last good checkpoint is {kept}" if kept else "state")
             )
+
+    def save(step):
+        """Saves the state after `step` steps, if it is finite."""
+        check_finite()  # never save a state that came from a non-finite loss
+        bad = non_finite_weights(trainer.model)
+        if bad:
+            if progress:
+                progress.close()
+            kept = checkpointer.manager.latest_checkpoint
+            raise NonFinite(
+                f"the weights became non-finite by iteration {step} ({', '.join(bad[:3])}); "
+                "stopped before saving them"
+                + (f"; the last good checkpoint is {kept}" if kept else "")
+            )
+        return checkpointer.save(step)
 
     def run_evaluation(step):
         if plan.test_data is None:
@@ -440,10 +545,18 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
         side_start = time.perf_counter()
         if config.eval_every and done % config.eval_every == 0 and done != plan.total_steps:
             run_evaluation(done)
+        saved = None
         if checkpointer and (done % config.checkpoint_every == 0 or done == plan.total_steps):
-            check_finite()  # never save a state that came from a non-finite loss
-            checkpointer.save(done)
+            saved = save(done)
         side_seconds += time.perf_counter() - side_start
+        signum = trainer.agree_to_stop(stop.signum or 0)
+        if signum and done < plan.total_steps:
+            saved = saved or (save(done) if checkpointer else None)
+            if progress:
+                progress.close()
+            if summaries:
+                summaries.close()
+            raise Stopped(signum, done, saved)
     seconds = time.perf_counter() - start
     if progress:
         progress.close()

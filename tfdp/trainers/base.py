@@ -173,5 +173,10 @@ class Trainer:
         """This trainer's own entries in the result."""
         return {"chains": self.chains}
 
+    def agree_to_stop(self, signum: int) -> int:
+        """The signal to stop on after this step (0: go on), given this process's
+        (`signals.StopSignals`); in a cluster, every worker's answer is the same."""
+        return signum
+
     def finish(self) -> None:
         """After the run's files are written."""
