@@ -4,26 +4,50 @@
 
 starts `tfdp --mode=multiworker [flags]` N times, each with a TF_CONFIG that
 names the same cluster of free loopback ports and its own task index. Every
-output line is prefixed `[worker i] `. The exit status is 0 when every worker
-succeeds; otherwise that of the first worker to fail, and the others are
-stopped if they have not exited within `--grace_seconds`. Ctrl-C is passed on
-to the workers.
+output line is prefixed `[worker i] `.
+
+Network: TensorFlow's gRPC server listens on all interfaces without any
+authentication, and whoever reaches a worker's port can run code in it. With
+`--network=isolated` (the default where Linux allows it) the launcher and its
+workers run in a network namespace of their own that has only loopback, so
+that no other host can reach their ports; they cannot reach the network
+either. Where that is refused, the launcher says so on one line and the
+workers run on this machine's network; an explicit `--network=isolated` is
+then an error. `--network=host` runs them on this machine's network, e.g.
+for workers that download their data from the internet: their ports are then
+reachable from other hosts, so run it only on a private network.
+
+Exit status: 0 when every worker succeeds; otherwise that of the first worker
+to fail (128 + N for one killed by signal N), and the others are stopped
+(SIGINT, then SIGKILL 5 s later) if they have not exited within
+`--grace_seconds`. SIGTERM or Ctrl-C (SIGINT) to the launcher is passed on
+once to every running worker (which saves a checkpoint and exits); workers
+still running `--grace_seconds` later are killed, and the status is 128 + the
+signal's number (143, 130). A bad flag exits with status 2.
 """
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 
-USAGE = "usage: tfdp-launch [--workers=N] [--grace_seconds=S] [tfdp flags]"
+USAGE = (
+    "usage: tfdp-launch [--workers=N] [--grace_seconds=S] [--network=isolated|host] [tfdp flags]"
+)
 DEFAULT_WORKERS = 2
 DEFAULT_GRACE_SECONDS = 30.0  # longer than TensorFlow's heartbeat timeout (about 10 s)
+NETWORKS = ("isolated", "host")
+PORT_TAKEN = "Could not start gRPC server"  # TensorFlow's words when a worker cannot bind its port
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class UsageError(ValueError):
@@ -34,9 +58,9 @@ class UsageError(ValueError):
         super().__init__(f"{flag}: {reason}")
 
 
-def parse_args(argv: list[str]) -> tuple[int, float, list[str]]:
-    """(workers, grace_seconds, the flags for tfdp) from the command line."""
-    workers, grace, passed = DEFAULT_WORKERS, DEFAULT_GRACE_SECONDS, []
+def parse_args(argv: list[str]) -> tuple[int, float, str | None, list[str]]:
+    """(workers, grace_seconds, network or None for the default, the flags for tfdp)."""
+    workers, grace, network, passed = DEFAULT_WORKERS, DEFAULT_GRACE_SECONDS, None, []
     for arg in argv:
         name, _, value = arg.partition("=")
         if name == "--workers":
@@ -53,6 +77,10 @@ def parse_args(argv: list[str]) -> tuple[int, float, list[str]]:
                 raise UsageError(arg, "must be a number of seconds") from None
             if not 0 <= grace < float("inf"):
                 raise UsageError(arg, "must be a number of seconds, 0 or more")
+        elif name == "--network":
+            if value not in NETWORKS:
+                raise UsageError(arg, f"must be one of {', '.join(NETWORKS)}")
+            network = value
         elif name == "--mode" and value != "multiworker":
             raise UsageError(arg, "tfdp-launch runs mode multiworker")
         elif not arg.startswith("-"):
@@ -61,7 +89,53 @@ def parse_args(argv: list[str]) -> tuple[int, float, list[str]]:
             passed.append(arg)
     if not any(arg.startswith("--mode=") for arg in passed):
         passed.insert(0, "--mode=multiworker")
-    return workers, grace, passed
+    return workers, grace, network, passed
+
+
+CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+
+
+def isolate_network() -> None:
+    """Moves this process into a new network namespace that has only loopback, up.
+
+    The workers started afterwards inherit it. Without the privilege for a
+    network namespace, a user namespace of this user's own grants it where
+    the kernel allows that. Raises OSError saying why it cannot be done.
+    """
+    if sys.platform != "linux":
+        raise OSError(f"network namespaces are a Linux feature; this is {sys.platform}")
+    try:
+        _unshare(CLONE_NEWNET)
+    except PermissionError as refused:
+        uid, gid = os.getuid(), os.getgid()
+        try:
+            _unshare(CLONE_NEWUSER | CLONE_NEWNET)  # single-threaded processes only
+            for name, text in (
+                ("setgroups", "deny"),
+                ("uid_map", f"{uid} {uid} 1"),
+                ("gid_map", f"{gid} {gid} 1"),
+            ):
+                with open(f"/proc/self/{name}", "w") as file:
+                    file.write(text)
+        except OSError as error:
+            raise OSError(
+                f"unshare: {refused.strerror}; in a user namespace: {error.strerror}"
+            ) from None
+    except OSError as error:
+        raise OSError(f"unshare: {error.strerror}") from None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifreq = struct.pack("16sH22x", b"lo", 0)
+        flags = struct.unpack_from("16sH", fcntl.ioctl(s, SIOCGIFFLAGS, ifreq))[1]
+        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | IFF_UP))
+
+
+def _unshare(flags: int) -> None:
+    """libc unshare(2): Python 3.11 has no os.unshare."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(flags) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
 
 
 def free_ports(n: int) -> list[int]:
@@ -85,11 +159,27 @@ def tf_configs(ports: list[int]) -> list[str]:
     ]
 
 
-def _stream(source, sink, prefix: str, lock: threading.Lock) -> None:
-    for line in source:
-        with lock:
-            sink.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
-            sink.flush()
+def _stream(source, sink, prefix: str, lock: threading.Lock, seen=None) -> None:
+    """Copies a worker's output (bytes) to `sink` line by line, up to EOF.
+
+    It never stops early, whatever the bytes or the sink: a worker whose pipe
+    is no longer read blocks once the pipe is full. `seen` is called with
+    every line.
+    """
+    for raw in source:
+        line = raw.decode("utf-8", errors="replace")
+        line = prefix + (line if line.endswith("\n") else line + "\n")
+        if seen is not None:
+            seen(line)
+        try:
+            with lock:
+                try:
+                    sink.write(line)
+                except UnicodeEncodeError:  # a sink that cannot write U+FFFD
+                    sink.write(line.encode("ascii", "backslashreplace").decode("ascii"))
+                sink.flush()
+        except (OSError, ValueError):  # the sink is closed or broken: the line is lost
+            pass
 
 
 def _status_text(code: int) -> str:
@@ -98,72 +188,134 @@ def _status_text(code: int) -> str:
     return f"exit status {code}"
 
 
-def launch(workers: int, flags: list[str], grace_seconds: float = DEFAULT_GRACE_SECONDS) -> int:
-    """Runs the cluster; returns 0 or the first failing worker's status (128 + N for signal N)."""
-    lock = threading.Lock()
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tfdp", *flags],
-            env=dict(os.environ, TF_CONFIG=tf_config, PYTHONUNBUFFERED="1"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,  # Ctrl-C reaches the launcher, which passes it on once
-            preexec_fn=_die_with_parent,
-        )
-        for tf_config in tf_configs(free_ports(workers))
-    ]
-    threads = []
-    for i, process in enumerate(processes):
-        for source, sink in ((process.stdout, sys.stdout), (process.stderr, sys.stderr)):
-            thread = threading.Thread(
-                target=_stream, args=(source, sink, f"[worker {i}] ", lock), daemon=True
+class _Workers:
+    """The processes of one start of the cluster, and the threads that copy their output."""
+
+    def __init__(self, count: int, flags: list[str], lock: threading.Lock):
+        self.port_taken = [False] * count
+        self.processes, self.threads = [], []
+        for tf_config in tf_configs(free_ports(count)):
+            self.processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tfdp", *flags],
+                    env=dict(os.environ, TF_CONFIG=tf_config, PYTHONUNBUFFERED="1"),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,  # Ctrl-C reaches the launcher, which passes it on once
+                    preexec_fn=_die_with_parent,  # noqa: PLW1509 (before any thread starts)
+                )
             )
-            thread.start()
-            threads.append(thread)
+        for i, process in enumerate(self.processes):
+            prefix = f"[worker {i}] "
+            self._copy(process.stdout, sys.stdout, prefix, lock)
+            self._copy(process.stderr, sys.stderr, prefix, lock, self._watch(i))
+
+    def _copy(self, *args) -> None:
+        thread = threading.Thread(target=_stream, args=args, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def _watch(self, i: int):
+        def seen(line: str) -> None:
+            if PORT_TAKEN in line:
+                self.port_taken[i] = True
+
+        return seen
+
+    def join(self, seconds: float = 5) -> None:
+        """Waits for the output of exited workers to be copied."""
+        deadline = time.monotonic() + seconds
+        for thread in self.threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def launch(workers: int, flags: list[str], grace_seconds: float = DEFAULT_GRACE_SECONDS) -> int:
+    """Runs the cluster; returns 0, the first failing worker's status (128 + N for signal N),
+    or 128 + N when signal N (SIGTERM, SIGINT) stopped it.
+
+    Call it from the main thread: it handles SIGTERM and SIGINT until it returns.
+    """
+    lock = threading.Lock()
+    received = []
+    previous = {
+        s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in STOP_SIGNALS
+    }
 
     def say(text):
         with lock:
             print(f"tfdp-launch: {text}", file=sys.stderr, flush=True)
 
-    status, deadline = 0, None
     try:
-        while True:
-            codes = [p.poll() for p in processes]
-            failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
-            if failed and status == 0:
-                i, code = failed[0]
-                status = 128 - code if code < 0 else code
-                deadline = time.monotonic() + grace_seconds
-                running = None in codes
+        status = _supervise(
+            _Workers(workers, flags, lock), grace_seconds, received, say, retry=True
+        )
+        if status is None:  # a port was taken between choosing and binding it: once more
+            status = _supervise(_Workers(workers, flags, lock), grace_seconds, received, say)
+        return status
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _supervise(cluster: _Workers, grace_seconds, received, say, retry=False) -> int | None:
+    """Waits for the workers; the exit status, or None to start them again on new ports."""
+    processes = cluster.processes
+    status, deadline, forwarded = 0, None, None
+    while True:
+        codes = [p.poll() for p in processes]
+        if received and forwarded is None:
+            forwarded = received[0]
+            name = signal.Signals(forwarded).name
+            say(
+                f"{name} received; passing it to the workers, which are killed "
+                f"if still running in {grace_seconds:g} s"
+            )
+            for p in processes:
+                if p.poll() is None:
+                    p.send_signal(forwarded)
+            status = status or 128 + forwarded
+            deadline = time.monotonic() + grace_seconds
+        failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+        if failed and status == 0:
+            i, code = failed[0]
+            for thread in cluster.threads[2 * i : 2 * i + 2]:  # its last words, to EOF
+                thread.join(timeout=5)
+            if retry and cluster.port_taken[i]:
                 say(
-                    f"worker {i} failed ({_status_text(code)})"
-                    + (
-                        f"; the others are stopped if still running in {grace_seconds:g} s"
-                        if running
-                        else ""
-                    )
+                    f"worker {i} could not listen on its port, taken since it was chosen; "
+                    "starting the workers again on new ports"
                 )
-            if all(code is not None for code in codes):
-                break
-            if deadline is not None and time.monotonic() > deadline:
+                _kill(processes)
+                cluster.join()
+                return None
+            status = 128 - code if code < 0 else code
+            deadline = time.monotonic() + grace_seconds
+            running = None in codes
+            say(
+                f"worker {i} failed ({_status_text(code)})"
+                + (
+                    f"; the others are stopped if still running in {grace_seconds:g} s"
+                    if running
+                    else ""
+                )
+            )
+        if all(code is not None for code in codes):
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            if forwarded is None:
                 _stop(processes, say)
-                break
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        say("interrupted; passing Ctrl-C to the workers")
-        for p in processes:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        _wait_or_kill(processes, grace_seconds, say)
-        status = 130
-    for thread in threads:
-        thread.join(timeout=5)
+            else:
+                _wait_or_kill(processes, 0, say)
+            break
+        time.sleep(0.1)
+    cluster.join()
     return status
 
 
 def _stop(processes, say) -> None:
-    # SIGINT, not SIGTERM: TensorFlow's distributed runtime takes SIGTERM as a preemption notice.
+    # SIGINT, not SIGTERM: once a worker has joined the cluster, TensorFlow's own
+    # SIGTERM handler (a preemption notice for the coordination service) only
+    # records the signal, so outside tfdp's training loop SIGTERM does nothing.
     running = [i for i, p in enumerate(processes) if p.poll() is None]
     say(f"stopping worker(s) {', '.join(map(str, running))}")
     for i in running:
@@ -171,11 +323,16 @@ def _stop(processes, say) -> None:
     _wait_or_kill(processes, 5, say)
 
 
+def _kill(processes) -> None:
+    for p in processes:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
 def _die_with_parent() -> None:
     """In the worker, before exec: SIGKILL when the launcher dies, so no worker is left behind."""
     if sys.platform == "linux":
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
@@ -190,21 +347,44 @@ def _wait_or_kill(processes, seconds: float, say) -> None:
             p.wait()
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+NETWORK_HELP = """\
+  --network=isolated  the workers in a network namespace with only loopback: their
+                      ports cannot be reached from other hosts, nor can they reach
+                      the network (default where Linux allows it; otherwise a warning)
+  --network=host      the workers on this machine's network, e.g. to download data
+                      from the internet; their ports are open to every host that
+                      reaches this machine, and TensorFlow does not authenticate"""
 
 
 def run() -> None:
     """Console-script entry point."""
     if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
-        print(__doc__.strip() + "\n\n" + USAGE)
+        print(__doc__.strip() + "\n\n" + USAGE + "\n" + NETWORK_HELP)
         return
-    signal.signal(signal.SIGTERM, _interrupt)  # stopping the launcher stops its workers
     try:
-        workers, grace, flags = parse_args(sys.argv[1:])
+        workers, grace, network, flags = parse_args(sys.argv[1:])
     except UsageError as error:
         print(f"tfdp-launch: error: {error}", file=sys.stderr)
         sys.exit(2)
+    if network != "host":
+        try:
+            isolate_network()
+        except OSError as error:
+            if network == "isolated":
+                print(
+                    f"tfdp-launch: error: --network=isolated: cannot isolate the workers "
+                    f"({error}); --network=host runs them on this machine's network",
+                    file=sys.stderr,
+                )
+                sys.exit(2)
+            print(
+                "tfdp-launch: warning: the workers' ports are reachable from the network, and "
+                "TensorFlow does not authenticate: cannot put them in a network namespace of "
+                f"their own ({error}); run this only on a private network, "
+                "or say so with --network=host",
+                file=sys.stderr,
+                flush=True,
+            )
     sys.exit(launch(workers, flags, grace))
 
 
