@@ -141,6 +141,7 @@ def test_only_the_chief_writes(runs):
     assert sorted(os.listdir(model_dir)) == [
         "checkpoints",
         "eval",
+        "lock",
         "model.keras",
         "result.json",
         "run.json",
@@ -158,14 +159,21 @@ def test_only_the_chief_writes(runs):
     assert os.listdir(runs["root"] / "tmp") == []
 
 
-def test_a_killed_worker_stops_the_other_and_a_restart_resumes(tmp_path):
-    args = [*TOY, "--iterations=600", "--checkpoint_every=50", "--log_every=100"]
-    straight = str(tmp_path / "straight")
-    finished = launch(*args, f"--model_dir={straight}")
-    assert finished.returncode == 0, finished.stderr
+LONG = [*TOY, "--iterations=600", "--checkpoint_every=50", "--log_every=100"]
 
-    model_dir = str(tmp_path / "killed")
-    workers = [
+
+@pytest.fixture(scope="module")
+def straight_600(tmp_path_factory):
+    """600 steps on 2 workers, straight through: what an interrupted run must end with."""
+    straight = str(tmp_path_factory.mktemp("straight"))
+    finished = launch(*LONG, f"--model_dir={straight}")
+    assert finished.returncode == 0, finished.stderr
+    return straight
+
+
+def start_workers(args, model_dir):
+    """Two workers started by hand, each with its own TF_CONFIG."""
+    return [
         subprocess.Popen(
             [sys.executable, "-m", "tfdp", "--mode=multiworker", *args, f"--model_dir={model_dir}"],
             env=environment(TF_CONFIG=tf_config),
@@ -175,6 +183,12 @@ def test_a_killed_worker_stops_the_other_and_a_restart_resumes(tmp_path):
         )
         for tf_config in tf_configs(free_ports(2))
     ]
+
+
+def test_a_killed_worker_stops_the_other_and_a_restart_resumes(tmp_path, straight_600):
+    args, straight = LONG, straight_600
+    model_dir = str(tmp_path / "killed")
+    workers = start_workers(args, model_dir)
     try:
         deadline = time.monotonic() + 120
         while (latest_step(model_dir) or 0) < 150:
@@ -209,6 +223,41 @@ def test_a_killed_worker_stops_the_other_and_a_restart_resumes(tmp_path):
     assert result(model_dir)["start_iteration"] == stopped_at
     assert result(model_dir)["iterations"] == latest_step(model_dir) == 600
     resumed_weights, straight_weights = exported_weights(model_dir, straight)
+    for got, expected in zip(resumed_weights, straight_weights, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_sigterm_to_one_worker_stops_both_at_the_same_saved_step(tmp_path, straight_600):
+    model_dir = str(tmp_path / "stopped")
+    workers = start_workers(LONG, model_dir)
+    try:
+        deadline = time.monotonic() + 120
+        while (latest_step(model_dir) or 0) < 100:
+            assert all(w.poll() is None for w in workers), workers[0].communicate()
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.05)
+        workers[1].send_signal(signal.SIGTERM)  # as a scheduler preempting one machine
+        outputs = [w.communicate(timeout=120) for w in workers]
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+
+    assert [w.returncode for w in workers] == [143, 143], outputs  # both were running
+    stopped_at = latest_step(model_dir)
+    assert 100 <= stopped_at < 600
+    for _, stderr in outputs:
+        [line] = [line for line in stderr.splitlines() if line.startswith("tfdp: ")]
+        assert line == (
+            f"tfdp: stopped by SIGTERM after iteration {stopped_at}; saved "
+            f"{model_dir}/checkpoints/ckpt-{stopped_at}; run the same command again to resume"
+        )
+    assert not os.path.exists(os.path.join(model_dir, "model.keras"))
+
+    resumed = launch(*LONG, f"--model_dir={model_dir}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert result(model_dir)["start_iteration"] == stopped_at
+    resumed_weights, straight_weights = exported_weights(model_dir, straight_600)
     for got, expected in zip(resumed_weights, straight_weights, strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
 

@@ -44,6 +44,7 @@ from tfdp.devices import (  # noqa: E402
     reserve_sleeping_threads,
     set_intra_op_threads,
 )
+from tfdp.checkpoints import StorageError, write_atomically  # noqa: E402
 from tfdp.errors import ConfigError  # noqa: E402
 from tfdp.signals import Stopped  # noqa: E402
 
@@ -277,15 +278,6 @@ def check_writable(field: str, path: str | None) -> None:
         raise ConfigError(field, path, "is not a writable file path")
 
 
-def write_json(path: str, result: dict) -> None:
-    """Writes atomically: a crash never leaves half a file behind."""
-    temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
-    os.replace(temporary, path)
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         _fail(f"unexpected arguments {' '.join(argv[1:])}; flags take the form --name=value")
@@ -325,6 +317,8 @@ def main(argv: list[str]) -> None:
     except Stopped as error:  # SIGTERM or Ctrl-C, after saving the step
         print(f"tfdp: {error}", file=sys.stderr)
         sys.exit(error.exit_status)
+    except StorageError as error:  # a full disk, a read-only directory: the last save stands
+        _fail(str(error), status=1)
     except Exception as error:  # a worker of the cluster died or stopped responding
         from tfdp import cluster
 
@@ -332,7 +326,10 @@ def main(argv: list[str]) -> None:
             raise
         _fail(cluster.describe_failure(error, config), status=1)
     if FLAGS.result_json and result.get("chief", True):  # multiworker: the chief writes it
-        write_json(FLAGS.result_json, result)
+        try:
+            write_atomically(FLAGS.result_json, json.dumps(result, indent=2) + "\n")
+        except StorageError as error:
+            _fail(str(error), status=1)
 
 
 def _intra_op_threads(config: Config) -> int:

@@ -288,7 +288,7 @@ def restore(checkpointer, trainer, log) -> int:
         rate = float(trainer.optimizer.learning_rate)
     except TypeError:  # a schedule: it follows the restored iteration count
         rate = None
-    step = checkpointer.restore()
+    step = checkpointer.restore(log)
     if rate is not None:
         trainer.optimizer.learning_rate = rate
     return step

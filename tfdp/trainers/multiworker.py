@@ -258,6 +258,11 @@ class MultiWorkerTrainer(Trainer):
     def checkpointer(self, config):
         return WorkerCheckpointer(config, self)
 
+    def agree_to_stop(self, signum: int) -> int:
+        """The signal any worker caught (the highest number), or 0: one small all-reduce
+        per step, so that every worker stops after the same step and saves it."""
+        return int(max(self.gather(signum)))
+
     def finish(self) -> None:
         self.gather(0)  # a barrier: the workers leave together, after the chief's writes
 
@@ -308,8 +313,8 @@ class WorkerCheckpointer(Checkpointer):
     the chief's directory, so all of them must be able to read `model_dir`.
     """
 
-    def restore(self) -> int:
-        step = super().restore()
+    def restore(self, log=print) -> int:
+        step = super().restore(log)
         steps = [int(s) for s in self.trainer.gather(step)]
         if len(set(steps)) > 1:
             raise ConfigError(
@@ -321,6 +326,7 @@ class WorkerCheckpointer(Checkpointer):
         return step
 
     def save(self, step: int) -> str:
+        """The path of the run's checkpoint of `step`: the one the chief writes."""
         if self.trainer.is_chief:
             return super().save(step)
         import tensorflow as tf
@@ -328,9 +334,10 @@ class WorkerCheckpointer(Checkpointer):
         self.step.assign(step)
         scratch = tempfile.mkdtemp(prefix=f"tfdp-{self.trainer.workers[self.trainer.index]}-")
         try:
-            return tf.train.CheckpointManager(self.checkpoint, scratch, 1).save(step)
+            tf.train.CheckpointManager(self.checkpoint, scratch, 1).save(step)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+        return self.path(step)
 
 
 def build(config, shards, spec) -> MultiWorkerTrainer:
