@@ -122,6 +122,7 @@ def test_a_garbled_index_resumes_from_the_newest_checkpoint(runs, tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert f"the checkpoint index {index} is unreadable (" in resumed.stdout
     assert "resuming at iteration 20" in resumed.stdout
+    assert result(model_dir)["start_iteration"] == 20
     assert_same_run(straight, model_dir)
     assert index_names(model_dir)[0] == "ckpt-30"
 
@@ -349,3 +350,67 @@ def test_a_full_disk_during_a_save_keeps_the_last_good_checkpoint(tmp_path):
         assert lines == []
         for x, y in zip(fresh.trainer.model.get_weights(), saved[last], strict=True):
             np.testing.assert_array_equal(x, y)
+
+
+def test_after_a_fallback_the_next_saves_continue_cleanly(tmp_path):
+    model_dir = str(tmp_path)
+    config = toy_config(model_dir, keep_checkpoints=5)
+    checkpointer = Checkpointer(config, fake_trainer(tiny_model()))
+    model = checkpointer.trainer.model
+    rng = np.random.default_rng(0)
+    saved = {}
+    for step in (10, 20, 30):
+        model.set_weights([rng.normal(size=w.shape) for w in model.get_weights()])
+        checkpointer.save(step)
+        saved[step] = model.get_weights()
+    truncate_data(model_dir, 30)
+    delete_index(model_dir, 20)
+
+    fresh = Checkpointer(config, fake_trainer(tiny_model()))
+    lines = []
+    assert fresh.restore(log=lines.append) == 10
+    for x, y in zip(fresh.trainer.model.get_weights(), saved[10], strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert [line.split(":")[0] for line in lines] == [
+        f"skipped checkpoint {checkpoints(model_dir)}/ckpt-30",
+        f"skipped checkpoint {checkpoints(model_dir)}/ckpt-20",
+    ]
+    assert fresh.manager.latest_checkpoint == f"{checkpoints(model_dir)}/ckpt-10"
+    assert index_names(model_dir) == ["ckpt-10", "ckpt-10"]
+    assert sorted(os.listdir(os.path.join(checkpoints(model_dir), "unreadable"))) == [
+        "ckpt-20",
+        "ckpt-30",
+    ]
+
+    # The same steps are saved again, over nothing of the damaged ones.
+    fresh.save(20)
+    fresh.save(30)
+    assert index_names(model_dir) == ["ckpt-30", "ckpt-10", "ckpt-20", "ckpt-30"]
+    again = Checkpointer(config, fake_trainer(tiny_model()))
+    lines = []
+    assert again.restore(log=lines.append) == 30
+    assert lines == []
+
+
+def test_without_an_index_file_the_checkpoints_are_found_by_their_files(tmp_path):
+    model_dir = str(tmp_path)
+    config = toy_config(model_dir)
+    checkpointer = Checkpointer(config, fake_trainer(tiny_model()))
+    model = checkpointer.trainer.model
+    for step in (10, 20):
+        model.set_weights([np.full(w.shape, step) for w in model.get_weights()])
+        checkpointer.save(step)
+    expected = model.get_weights()
+    os.remove(os.path.join(checkpoints(model_dir), "checkpoint"))
+
+    fresh = Checkpointer(config, fake_trainer(tiny_model()))
+    lines = []
+    assert fresh.restore(log=lines.append) == 20
+    index = os.path.join(checkpoints(model_dir), "checkpoint")
+    resuming = f"resuming from {checkpoints(model_dir)}/ckpt-20"
+    assert lines == [
+        f"the checkpoint index {index} is missing; found the checkpoints by their files; {resuming}"
+    ]
+    for x, y in zip(fresh.trainer.model.get_weights(), expected, strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert index_names(model_dir) == ["ckpt-20", "ckpt-10", "ckpt-20"]
