@@ -23,7 +23,8 @@ to fail (128 + N for one killed by signal N), and the others are stopped
 `--grace_seconds`. SIGTERM or Ctrl-C (SIGINT) to the launcher is passed on
 once to every running worker (which saves a checkpoint and exits); workers
 still running `--grace_seconds` later are killed, and the status is 128 + the
-signal's number (143, 130). A bad flag exits with status 2.
+signal's number (143, 130) unless a worker had failed before. A bad flag, or
+an explicit `--network=isolated` that cannot be had, exits with status 2.
 """
 
 from __future__ import annotations
