@@ -3,10 +3,15 @@
 DIR/
   run.json        the settings a checkpoint depends on, written before the first save
   checkpoints/    tf.train.CheckpointManager: model, optimizer, step (= input position)
+    unreadable/   checkpoints a restore skipped (truncated, files missing), kept aside
   shares.json     weighted: each device's share of the batch at the latest save
   train/, eval/   TensorBoard summaries
   model.keras     the trained model, loadable with keras.models.load_model
   result.json     the run's result
+
+Every file tfdp writes is whole or absent (a temporary file renamed over it),
+is created like open() creates one (0666 less the umask), and a write that
+fails raises StorageError naming the file.
 """
 
 from __future__ import annotations
