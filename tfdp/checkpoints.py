@@ -9,7 +9,7 @@ DIR/
   model.keras     the trained model, loadable with keras.models.load_model
   result.json     the run's result
 
-Every file tfdp writes is whole or absent (a temporary file renamed over it),
+Every regular file tfdp writes is whole or absent (a temporary file renamed over it),
 is created like open() creates one (0666 less the umask), and a write that
 fails raises StorageError naming the file.
 """
