@@ -423,8 +423,10 @@ def test_a_failed_worker_stops_the_others_after_the_grace_period(tmp_path):
     assert launcher.returncode == 7, stderr
     own = [line for line in stderr.splitlines() if line.startswith("tfdp-launch: ")]
     assert own == [
-        "tfdp-launch: worker 1 failed (exit status 7); "
-        "the others are stopped if still running in 2 s",
+        (
+            "tfdp-launch: worker 1 failed (exit status 7); "
+            "the others are stopped if still running in 2 s"
+        ),
         "tfdp-launch: stopping worker(s) 0",
         "tfdp-launch: worker 0 did not stop; killing it",
     ]
@@ -448,8 +450,10 @@ def test_a_stop_signal_reaches_every_worker(tmp_path, signum):
     assert [(tmp_path / f"signal{i}").read_text() for i in (0, 1)] == [name, name]
     own = [line for line in stderr.splitlines() if line.startswith("tfdp-launch: ")]
     assert own == [
-        f"tfdp-launch: {name} received; passing it to the workers, "
-        "which are killed if still running in 3 s",
+        (
+            f"tfdp-launch: {name} received; passing it to the workers, "
+            "which are killed if still running in 3 s"
+        ),
         "tfdp-launch: worker 1 did not stop; killing it",
     ]
     assert [is_running(pid) for pid in pids] == [False, False]
@@ -475,8 +479,10 @@ def test_a_taken_port_starts_the_workers_again(monkeypatch, capsys):
     assert len(chosen) == 2 and chosen[0][0] == port != chosen[1][0]
     own = [line for line in err.splitlines() if line.startswith("tfdp-launch: ")]
     assert own == [
-        "tfdp-launch: worker 0 could not listen on its port, taken since it was chosen; "
-        "starting the workers again on new ports"
+        (
+            "tfdp-launch: worker 0 could not listen on its port, taken since it was chosen; "
+            "starting the workers again on new ports"
+        )
     ]
     for worker in (0, 1):
         assert any(line.startswith("time for 2 iterations") for line in worker_lines(out, worker))
