@@ -414,3 +414,44 @@ def test_without_an_index_file_the_checkpoints_are_found_by_their_files(tmp_path
     for x, y in zip(fresh.trainer.model.get_weights(), expected, strict=True):
         np.testing.assert_array_equal(x, y)
     assert index_names(model_dir) == ["ckpt-20", "ckpt-10", "ckpt-20"]
+
+
+def test_the_cli_on_a_full_disk_stops_in_one_line_and_the_last_checkpoint_resumes(tmp_path):
+    # Each checkpoint of this model takes 144 KB: the first fits in 200 KiB, the second not.
+    args = [*TOY, "--hidden_units=256", "--checkpoint_every=5", "--iterations=20"]
+    straight = str(tmp_path / "straight")
+    assert tfdp(*args, f"--model_dir={straight}").returncode == 0
+    with tmpfs(tmp_path / "mnt", "size=200k") as disk:
+        model_dir = os.path.join(disk, "run")
+        process = tfdp(*args, f"--model_dir={model_dir}")
+        assert process.returncode == 1, process.stderr
+        [line] = own_stderr_lines(process)
+        assert line.startswith(f"tfdp: error: could not write {model_dir}/checkpoints/ckpt-10: ")
+        assert "No space left on device" in line and "Traceback" not in process.stderr
+        assert sorted(os.listdir(checkpoints(model_dir))) == [
+            "checkpoint",
+            "ckpt-5.data-00000-of-00001",
+            "ckpt-5.index",
+        ]
+        moved = copy_run(model_dir, tmp_path)  # to a disk with room
+    resumed = tfdp(*args, f"--model_dir={moved}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming at iteration 5" in resumed.stdout
+    assert "skipped" not in resumed.stdout  # the last good checkpoint reads back as it is
+    assert_same_run(straight, moved)
+
+
+def test_result_json_goes_to_stdout_and_through_a_symlink(tmp_path):
+    args = ["--model=toy", "--logical_cpus=2", "--batch_size=100", "--iterations=2"]
+    printed = tfdp(*args, "--progress=never", "--result_json=/dev/stdout")
+    assert printed.returncode == 0, printed.stderr
+    saved = json.loads(printed.stdout[printed.stdout.index("{\n") :])
+    assert saved["iterations"] == 2 and saved["batch_size"] == 100
+    assert not os.path.exists("/dev/stdout.tmp") and os.path.islink("/dev/stdout")
+
+    (tmp_path / "results").mkdir()
+    os.symlink("results/latest.json", tmp_path / "link.json")
+    linked = tfdp(*args, "--progress=never", f"--result_json={tmp_path / 'link.json'}")
+    assert linked.returncode == 0, linked.stderr
+    assert os.path.islink(tmp_path / "link.json")
+    assert json.loads((tmp_path / "results" / "latest.json").read_text())["iterations"] == 2
