@@ -43,6 +43,7 @@ from tfdp.cluster import (
 )
 from tfdp.devices import split_batch
 from tfdp.errors import ConfigError
+from tfdp.signals import SIGNALS
 from tfdp.trainers.base import Trainer
 
 
@@ -76,6 +77,9 @@ class MultiWorkerTrainer(Trainer):
         self.spec = spec
         self.objective = spec.objective
         self.worker_batch = None  # examples per step this worker's input yields, once distributed
+        # which of SIGNALS this worker caught, sent with the next step's loss (agree_to_stop)
+        self.signals_caught = tf.Variable([0.0] * len(SIGNALS), trainable=False)
+        self.signals_seen = tf.zeros(len(SIGNALS))
         with strategy.scope():
             self.model = spec.make()
             self.model.set_weights(spec.weights)
@@ -118,14 +122,19 @@ class MultiWorkerTrainer(Trainer):
     def train_step(self, iterator):
         """One update on the next global batch; returns the loss summed over the cluster
         and this worker's outputs."""
-        return self._train_step(iterator)
+        metrics = self._train_step(iterator)
+        self.signals_seen = metrics.pop("signals")
+        return metrics
 
     def _step(self, iterator):
         batch, examples = next(iterator)
         loss, predictions = self.strategy.run(self._replica_step, args=(batch, examples))
+        # The loss and the stop signals travel in one all-reduce.
+        summed = self.strategy.reduce("SUM", loss, axis=None)
         local = self.strategy.experimental_local_results
         return {
-            "loss": self.strategy.reduce("SUM", loss, axis=None),
+            "loss": summed[0],
+            "signals": summed[1:],
             "batches": local(batch),
             "predictions": local(predictions),
         }
@@ -139,7 +148,7 @@ class MultiWorkerTrainer(Trainer):
         gradients = clip_before_all_reduce(self.optimizer, gradients)
         # Inside a replica, the optimizer all-reduces (sums) the gradients over all workers.
         self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
-        return loss, predictions
+        return self.tf.concat([[loss], self.signals_caught], 0), predictions
 
     def global_outputs(self, metrics) -> dict:
         """A step's `metrics` with every worker's slices of the batch and outputs joined
@@ -259,9 +268,15 @@ class MultiWorkerTrainer(Trainer):
         return WorkerCheckpointer(config, self)
 
     def agree_to_stop(self, signum: int) -> int:
-        """The signal any worker caught (the highest number), or 0: one small all-reduce
-        per step, so that every worker stops after the same step and saves it."""
-        return int(max(self.gather(signum)))
+        """The signal a worker had caught when the last step started, or 0; the same on
+        every worker, so that all of them stop after the same step and save it.
+
+        This worker's `signum` rides with the next step's loss (`_step`): no
+        collective of its own. A signal is so acted on one step after it came.
+        """
+        self.signals_caught.assign([float(signum == s) for s in SIGNALS])
+        counts = self.signals_seen.numpy()
+        return next((s for s, count in zip(SIGNALS, counts) if count > 0), 0)
 
     def finish(self) -> None:
         self.gather(0)  # a barrier: the workers leave together, after the chief's writes
