@@ -130,6 +130,34 @@ def test_a_port_out_of_range_is_one_error_line(tmp_path):
     ]
 
 
+def test_a_port_in_use_is_one_error_line(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        tf_config = json.dumps(
+            {
+                "cluster": {"worker": [address, "127.0.0.1:1"]},
+                "task": {"type": "worker", "index": 0},
+            }
+        )
+        process = subprocess.run(
+            [sys.executable, "-m", "tfdp", "--mode=multiworker", "--model=toy"],
+            capture_output=True,
+            text=True,
+            env=worker_environment(tf_config),
+            cwd=tmp_path,
+            timeout=120,
+        )
+    assert process.returncode == 2
+    assert own_stderr_lines(process) == [
+        f"tfdp: error: TF_CONFIG={address}: Could not start gRPC server on {address} for "
+        "worker:0: the port is in use by another process; give a free port"
+    ]
+
+
 def run_workers(*flags_per_worker, cwd, timeout=300):
     """Starts one `tfdp --mode=multiworker` per entry of `flags_per_worker` on loopback,
     each with its TF_CONFIG, and waits for all; returns (exit status, stderr lines)."""

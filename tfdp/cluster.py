@@ -136,7 +136,19 @@ def join_cluster(config):
         options = tf.distribute.experimental.CommunicationOptions(
             implementation=implementation, timeout_seconds=config.collective_timeout or None
         )
-        _strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        try:
+            _strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        except tf.errors.UnknownError as error:
+            if "Could not start gRPC server" not in str(error):
+                raise
+            cluster = read_cluster()
+            address = cluster.addresses[cluster.index]
+            raise ConfigError(
+                TF_CONFIG,
+                address,
+                f"Could not start gRPC server on {address} for {cluster.task}: "
+                "the port is in use by another process; give a free port",
+            ) from None
     return _strategy
 
 
