@@ -455,3 +455,21 @@ def test_result_json_goes_to_stdout_and_through_a_symlink(tmp_path):
     assert linked.returncode == 0, linked.stderr
     assert os.path.islink(tmp_path / "link.json")
     assert json.loads((tmp_path / "results" / "latest.json").read_text())["iterations"] == 2
+
+
+def test_a_chief_that_cannot_write_says_so_in_a_cluster(tmp_path):
+    from test_multiworker import launch, worker_lines
+
+    args = [*TOY, "--hidden_units=256", "--checkpoint_every=5", "--iterations=20"]
+    with tmpfs(tmp_path / "mnt", "size=200k") as disk:
+        model_dir = os.path.join(disk, "run")
+        process = launch(*args, f"--model_dir={model_dir}")
+        assert process.returncode == 1, process.stderr
+        [line] = [line for line in worker_lines(process.stderr, 0) if line.startswith("tfdp: ")]
+        assert line.startswith(f"tfdp: error: could not write {model_dir}/checkpoints/ckpt-10: ")
+        assert "lost the cluster" not in line
+        assert sorted(os.listdir(checkpoints(model_dir))) == [
+            "checkpoint",
+            "ckpt-5.data-00000-of-00001",
+            "ckpt-5.index",
+        ]
