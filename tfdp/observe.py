@@ -18,28 +18,40 @@ class Progress:
     """One line, rewritten in place: step, loss and metrics, images/s, ETA.
 
     Reading a step's metrics waits for the device, so the line is refreshed at
-    most every `interval` seconds, not at every step.
+    most every `interval` seconds, not at every step. `clock` (seconds, any
+    origin) is injectable so that a test can drive the rates exactly.
     """
 
-    def __init__(self, total_steps, batch_size, first_step=0, stream=None, interval=0.5):
+    def __init__(
+        self,
+        total_steps,
+        batch_size,
+        first_step=0,
+        stream=None,
+        interval=0.5,
+        clock=time.perf_counter,
+    ):
         self.total_steps = total_steps
         self.batch_size = batch_size
         self.stream = stream or sys.stderr
         self.interval = interval
+        self.clock = clock
         self.start_step = first_step
-        self.start_time = time.perf_counter()
-        self.last_shown = 0.0
+        self.start_time = clock()
+        self.last_shown = None  # the first update is always shown
         self.width = 0
 
     def update(self, step, metrics, force=False):
         """`step` steps are done; `metrics` are the last step's loss and metrics (numbers or
         tensors), or a function of no arguments that reads them (called only when shown)."""
-        now = time.perf_counter()
-        if not force and now - self.last_shown < self.interval:
+        now = self.clock()
+        shown_lately = self.last_shown is not None and now - self.last_shown < self.interval
+        if not force and shown_lately:
             return
         self.last_shown = now
         done = step - self.start_step
-        rate = done / (now - self.start_time) if done else 0.0
+        elapsed = now - self.start_time
+        rate = done / elapsed if done and elapsed > 0 else 0.0  # no time yet: no rate
         eta = (self.total_steps - step) / rate if rate else 0.0
         values = metrics() if callable(metrics) else metrics
         names = sorted(values, key=lambda name: name != "loss")  # the loss first
