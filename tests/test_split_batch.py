@@ -17,17 +17,35 @@ def test_equal_powers_where_round_loses_an_example():
 
 BATCHES = [1, 2, 3, 7, 64, 100, 101, 1000, 1023, 1024, 4097]
 POWERS = [[1], [1, 1], [1, 5], [3, 1, 1, 1], [0.3, 2.7, 1e-3, 9], [2] * 7, [1.5, 0.25]]
+TINY = (0.3, 2.7, 1e-3, 9)  # device 2's exact share, b x 0.001 / 12.001, is under 1 up to b = 12001
+# The cases refused, and the device each names: the first with no example after
+# largest-remainder rounding (floors first, then the spares by largest fraction).
+STARVED = {
+    (2, (1, 5)): 0,  # exact 0.33, 1.67: floors 0, 1; the spare goes to 0.67: [0, 2]
+    (2, (1.5, 0.25)): 1,  # exact 1.71, 0.29: floors 1, 0; the spare to 0.71: [2, 0]
+    (3, (1.5, 0.25)): 1,  # exact 2.57, 0.43: floors 2, 0; the spare to 0.57: [3, 0]
+    (7, TINY): 0,  # exact 0.17, 1.57, 0.0006, 5.25: floors 0, 1, 0, 5; the spare to 0.57
+    **{(b, TINY): 2 for b in (64, 100, 101, 1000, 1023, 1024, 4097)},  # device 0 has >= 1.6
+}
+CASES = [(b, p) for b in BATCHES for p in POWERS if b >= len(p)]
 
 
-@pytest.mark.parametrize("batch, powers", [(b, p) for b in BATCHES for p in POWERS if b >= len(p)])
+def test_the_refused_cases_are_among_the_cases():
+    assert len(CASES) == 65
+    assert set(STARVED) <= {(b, tuple(p)) for b, p in CASES}
+    assert len(STARVED) == 11
+
+
+@pytest.mark.parametrize("batch, powers", [c for c in CASES if (c[0], tuple(c[1])) in STARVED])
+def test_a_device_with_no_example_is_refused(batch, powers):
+    device = STARVED[batch, tuple(powers)]
+    with pytest.raises(ConfigError, match=f"^powers=.*: device {device} would get 0 of {batch} "):
+        split_batch(batch, powers)
+
+
+@pytest.mark.parametrize("batch, powers", [c for c in CASES if (c[0], tuple(c[1])) not in STARVED])
 def test_exact_sum_and_within_one_of_proportional(batch, powers):
-    try:
-        shares = split_batch(batch, powers)
-    except ConfigError as error:
-        # Only a device whose exact share is under one example may be refused.
-        assert "would get 0" in str(error)
-        assert min(batch * p / sum(powers) for p in powers) < 1
-        return
+    shares = split_batch(batch, powers)  # none of these may raise
     assert sum(shares) == batch
     assert len(shares) == len(powers)
     for share, power in zip(shares, powers):
