@@ -1,6 +1,7 @@
 """oneDNN's CPU kernels: tfdp's commands turn them on unless told otherwise, and say so;
 importing tfdp as a library changes nothing."""
 
+import json
 import os
 import platform
 import subprocess
@@ -72,25 +73,86 @@ def test_nothing_changes_once_tensorflow_is_loaded():
     assert probe({}, before="import tensorflow") == ["None"]
 
 
-def test_tensorflow_default_env_for_a_child_process():
+@pytest.mark.parametrize(
+    "user_value, expected",
+    [
+        (None, {"TFDP_ONEDNN": "tensorflow", "PATH": "/bin"}),  # tfdp's own "1" is dropped
+        ("1", {"TFDP_ONEDNN": "tensorflow", "PATH": "/bin", "TF_ENABLE_ONEDNN_OPTS": "1"}),
+    ],
+    ids=["tfdp set it", "the user set it"],
+)
+def test_tensorflow_default_env_for_a_child_process(monkeypatch, user_value, expected):
     from tfdp import onednn
 
+    monkeypatch.setattr(onednn, "USER_VALUE", user_value)
     env = onednn.tensorflow_default_env(
         {"TF_ENABLE_ONEDNN_OPTS": "1", "TFDP_ONEDNN": "on", "PATH": "/bin"}
     )
-    expected = {"TFDP_ONEDNN": "tensorflow", "PATH": "/bin"}
-    if onednn.USER_VALUE is not None:  # the user's own choice applies to every process
-        expected["TF_ENABLE_ONEDNN_OPTS"] = "1"
-    assert env == expected
+    assert env == expected  # the user's own choice applies to every process
 
 
-def test_the_result_records_it():
-    from tfdp import Config, onednn, train
+# What TensorFlow itself logs at start-up when its runtime loads the oneDNN kernels.
+TENSORFLOW_SAYS_ON = "oneDNN custom operations are on"
 
-    result = train(
-        Config(mode="single", devices="cpu:0", model="toy", iterations=2),
-        log=lambda line: None,
+
+def run_logged(command, env_changes, tmp_path):
+    """Runs `command` with oneDNN's variables only as given and TensorFlow's info log on;
+    returns the result.json it wrote and whether TensorFlow logged its kernels on."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_ENABLE_ONEDNN_OPTS", "TFDP_ONEDNN")}
+    env.update(env_changes, TF_CPP_MIN_LOG_LEVEL="0")
+    path = tmp_path / "result.json"
+    process = subprocess.run(
+        [sys.executable, *command(path)], env=env, capture_output=True, text=True, timeout=600
     )
-    assert result["onednn"] is onednn.enabled()
-    if X86_64 and onednn.USER_VALUE is None:
-        assert result["onednn"] is True
+    assert process.returncode == 0, process.stderr[-3000:]
+    result = json.loads(path.read_text())
+    return result["onednn"], TENSORFLOW_SAYS_ON in process.stderr
+
+
+def cli(path):
+    return ["-m", "tfdp", "--mode=single", "--model=toy", "--iterations=2", f"--result_json={path}"]
+
+
+def library(path):
+    """`tfdp.train` from Python, with no entry point to turn the kernels on."""
+    code = (
+        "import json, sys, tfdp; "
+        "r = tfdp.train(tfdp.Config(mode='single', devices='cpu:0', model='toy', iterations=2), "
+        "log=lambda line: None); "
+        "open(sys.argv[1], 'w').write(json.dumps({'onednn': r['onednn']}))"
+    )
+    return ["-c", code, str(path)]
+
+
+X86_ONLY = pytest.mark.skipif(not X86_64, reason="tfdp sets the variable on x86-64 only")
+
+
+@pytest.mark.parametrize(
+    "command, env_changes, expected",
+    [
+        (cli, {"TF_ENABLE_ONEDNN_OPTS": "0"}, False),
+        (library, {"TF_ENABLE_ONEDNN_OPTS": "0"}, False),
+        pytest.param(cli, {"TF_ENABLE_ONEDNN_OPTS": "1"}, True, marks=X86_ONLY),
+        pytest.param(library, {"TF_ENABLE_ONEDNN_OPTS": "1"}, True, marks=X86_ONLY),
+        pytest.param(cli, {}, True, marks=X86_ONLY),  # the command turns them on
+    ],
+    ids=["cli, off", "library, off", "cli, on", "library, on", "cli, unset"],
+)
+def test_the_result_records_it(command, env_changes, expected, tmp_path):
+    recorded, tensorflow_says_on = run_logged(command, env_changes, tmp_path)
+    assert recorded is expected
+    assert tensorflow_says_on is expected
+
+
+@pytest.mark.parametrize(
+    "command, env_changes",
+    [(cli, {"TFDP_ONEDNN": "tensorflow"}), (library, {})],
+    ids=["cli, TFDP_ONEDNN=tensorflow", "library, unset"],
+)
+def test_with_tensorflows_default_the_result_agrees_with_tensorflows_log(
+    command, env_changes, tmp_path
+):
+    # TensorFlow's default depends on the CPU: its own start-up log says which it chose.
+    recorded, tensorflow_says_on = run_logged(command, env_changes, tmp_path)
+    assert isinstance(recorded, bool)
+    assert recorded is tensorflow_says_on
