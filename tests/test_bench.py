@@ -16,33 +16,47 @@ def x86_64():
 
 
 def tensorflow_default_onednn():
-    """Whether a process that leaves TF_ENABLE_ONEDNN_OPTS unset runs oneDNN's kernels."""
+    """Whether a process that leaves TF_ENABLE_ONEDNN_OPTS unset runs oneDNN's kernels,
+    as TensorFlow's own start-up log says."""
     import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TF_ENABLE_ONEDNN_OPTS"}
-    probe = "from tensorflow.python.util import _pywrap_util_port as p; print(p.IsMklEnabled())"
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_ENABLE_ONEDNN_OPTS", "TFDP_ONEDNN")}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "0"
     out = subprocess.run(
-        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", "import tensorflow"], env=env, capture_output=True, text=True
     )
-    return out.stdout.strip().splitlines()[-1] == "True"
+    assert out.returncode == 0, out.stderr[-3000:]
+    return "oneDNN custom operations are on" in out.stderr
+
+
+# LeNet's FLOPs per training image, by hand: 2 FLOPs per multiply-add.
+#   conv1 5x5, 1 -> 20 channels, 24x24 outputs: 2 * 5*5*1*20 * 24*24 =   576,000
+#   conv2 5x5, 20 -> 50 channels, 8x8 outputs:  2 * 5*5*20*50 * 8*8  = 3,200,000
+#   dense 800 -> 500:                           2 * 800*500          =   800,000
+#   dense 500 -> 10:                            2 * 500*10           =    10,000
+#   forward                                                          = 4,586,000
+# and the bench counts training as 3 forward passes (forward, gradients of the
+# inputs, gradients of the weights): 3 * 4,586,000 = 13,758,000.
+LENET_FORWARD_FLOPS_BY_HAND = 4_586_000
+LENET_TRAIN_FLOPS_BY_HAND = 13_758_000
 
 
 def test_flop_count_follows_the_model():
-    macs = 0
+    flops = 0
     model = build_model("lenet")
     for layer in model.layers:
         if hasattr(layer, "kernel"):
             kernel = layer.kernel.shape
-            if len(kernel) == 4:  # conv: every output position does k x k x in_channels MACs
+            if len(kernel) == 4:  # conv: 2 * k * k * cin * cout per output position
                 height, width = layer.output.shape[1:3]
-                macs += height * width * kernel[0] * kernel[1] * kernel[2] * kernel[3]
-            else:
-                macs += kernel[0] * kernel[1]
-    assert macs == LENET_FORWARD_MACS
-    assert FORWARD_FLOPS == pytest.approx(4.6e6, rel=0.01)
-    assert TRAIN_FLOPS == 3 * FORWARD_FLOPS
+                flops += 2 * kernel[0] * kernel[1] * kernel[2] * kernel[3] * height * width
+            else:  # dense: 2 * in * out
+                flops += 2 * kernel[0] * kernel[1]
+    assert flops == LENET_FORWARD_FLOPS_BY_HAND
+    assert 2 * LENET_FORWARD_MACS == FORWARD_FLOPS == LENET_FORWARD_FLOPS_BY_HAND
+    assert TRAIN_FLOPS == LENET_TRAIN_FLOPS_BY_HAND
 
 
 def test_configurations_cover_the_table():
@@ -104,11 +118,24 @@ def test_bench_smoke(tmp_path):
         "keras fit mirrored x2",
         "tfdp weighted 1:3",
     ]
-    for row in rows:
-        assert row["images_per_second"] > 0 and 0 < row["fraction_of_peak"] < 10
-    assert rows[0]["vs_tfdp_single"] == 1.0
     measured = [r for r in records if not r.get("summary")]
     assert {r["name"] for r in measured} >= {"matmul peak", "tfdp weighted 1:3"}
+    # One round: each row's figures follow from its one measurement's raw time.
+    by_name = {r["name"]: r for r in measured}
+    assert len(by_name) == len(measured) == len(rows) + 1
+    # images/s: 2 iterations x 32 images over the run's seconds
+    rate = {name: 2 * 32 / r["seconds"] for name, r in by_name.items() if name != "matmul peak"}
+    peak = by_name["matmul peak"]["flops_per_second"]
+    assert peak > 0
+    for row in rows:
+        name = row["configuration"]
+        assert row["images_per_second"] == pytest.approx(rate[name], rel=1e-9)
+        assert row["vs_tfdp_single"] == pytest.approx(rate[name] / rate["tfdp single"], rel=1e-9)
+        assert row["fraction_of_peak"] == pytest.approx(
+            rate[name] * LENET_TRAIN_FLOPS_BY_HAND / peak, rel=1e-9
+        )
+    # Against the right row: the other rows' rates differ from tfdp single's.
+    assert all(rate[name] != rate["tfdp single"] for name in rate if name != "tfdp single")
     assert [r["shards"] for r in measured if r["name"] == "tfdp weighted 1:3"] == [[8, 24]]
     assert "| tfdp weighted 1:3 | 2 |" in process.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -123,6 +150,9 @@ def test_bench_smoke(tmp_path):
             # The steps end before the run does (its iterator is deleted after them).
             assert 0 < record["steps_seconds"] <= record["seconds"]
             assert record["images_per_second_steps"] >= record["images_per_second"]
+            assert record["images_per_second_steps"] == pytest.approx(
+                2 * 32 / record["steps_seconds"], rel=1e-9
+            )
 
 
 def test_mixed_suite_smoke(tmp_path):
