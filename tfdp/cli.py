@@ -33,6 +33,7 @@ from tfdp.config import (  # noqa: E402
     INITS,
     MIRRORED_INPUTS,
     MODES,
+    PRECISIONS,
     REDUCES,
     Config,
 )
@@ -155,6 +156,20 @@ flags.DEFINE_integer(
     "times measured over windows of K steps (the first windows of a run: 1, 2, 4, ... "
     "steps); 0: never.",
 )
+flags.DEFINE_bool(
+    "jit_compile",
+    _DEFAULTS.jit_compile,
+    "Compile each device's forward and backward pass with XLA, in every mode (built-in "
+    "models). The host clock of --powers=auto and --rebalance_every stays outside it.",
+)
+flags.DEFINE_enum(
+    "precision",
+    _DEFAULTS.precision,
+    PRECISIONS,
+    "Keras dtype policy of the built-in models: their layers compute in float16 or bfloat16, "
+    "their variables stay float32; mixed_float16 adds dynamic loss scaling "
+    "(keras.optimizers.LossScaleOptimizer).",
+)
 flags.DEFINE_string(
     "simulate_slowdown",
     _DEFAULTS.simulate_slowdown,
@@ -265,6 +280,8 @@ def config_from_flags() -> Config:
         chains=FLAGS.chains,
         collective=FLAGS.collective,
         collective_timeout=FLAGS.collective_timeout,
+        jit_compile=FLAGS.jit_compile,
+        precision=FLAGS.precision,
         progress={"always": True, "never": False}.get(FLAGS.progress, sys.stderr.isatty()),
     )
 

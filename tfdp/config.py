@@ -16,6 +16,8 @@ ALL_REDUCES = ("auto", "reduce_to_one", "nccl")
 MIRRORED_INPUTS = ("split", "dataset")
 REDUCES = ("device0", "allreduce")
 COLLECTIVES = ("auto", "ring", "nccl")
+# Keras dtype policies: the compute dtype of the layers; the variables stay float32.
+PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 # Each model reads one kind of input.
 DATASET_OF_MODEL = {"lenet": "mnist", "toy": "toy"}
 DEFAULT_ITERATIONS = 50  # the tutorial's run
@@ -71,6 +73,9 @@ class Config:
         "auto"  # multiworker: auto | ring | nccl (CommunicationOptions.implementation)
     )
     collective_timeout: float = 0.0  # multiworker: seconds an all-reduce may wait; 0: no limit
+    jit_compile: bool = False  # XLA compiles each device's forward and backward
+    # the built-in models' Keras dtype policy; mixed_float16 adds loss scaling
+    precision: str = "float32"
 
     def __post_init__(self):
         if self.dataset is None:
@@ -106,6 +111,26 @@ def validate(config: Config) -> None:
     _choice(config, "mirrored_input", MIRRORED_INPUTS)
     _choice(config, "reduce", REDUCES)
     _choice(config, "collective", COLLECTIVES)
+    _choice(config, "precision", PRECISIONS)
+    if not isinstance(config.jit_compile, bool):
+        raise ConfigError("jit_compile", config.jit_compile, "must be True or False")
+    for field, value, default, instead in (
+        ("jit_compile", config.jit_compile, False, "leave it out"),
+        (
+            "precision",
+            config.precision,
+            "float32",
+            "build your model under a keras.mixed_precision policy (and a "
+            "LossScaleOptimizer for float16) instead",
+        ),
+    ):
+        if value != default and config.model not in MODELS:
+            raise ConfigError(
+                field,
+                value,
+                f"applies to the built-in models ({', '.join(MODELS)}), not {config.model}; "
+                + instead,
+            )
     for field in (
         "batch_size",
         "log_every",

@@ -5,6 +5,7 @@ built-in factories.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Callable
@@ -96,18 +97,43 @@ def toy_mlp(
 BUILT_IN_INPUTS = {"lenet": (28, 28, 1), "toy": (128,)}  # one example's shape
 
 
+@contextlib.contextmanager
+def dtype_policy(precision: str):
+    """Keras' global dtype policy set to `precision` inside, and restored after: the
+    layers built inside keep it, and nothing built later in the process sees it."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(precision)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
 def compiled(
     name: str,
     init: str = "tutorial",
     seed: int = 0,
     hidden_units: int = 64,
     learning_rate: float = 0.1,
+    precision: str = "float32",
 ) -> keras.Model:
     """A built-in model, compiled as the tutorial trains it: plain SGD on the softmax
-    cross-entropy of its logits, with accuracy as the metric."""
-    model = build_model(name, init, seed, hidden_units)
+    cross-entropy of its logits, with accuracy as the metric.
+
+    precision: the Keras dtype policy its layers are built with (float32,
+    mixed_bfloat16, mixed_float16: they compute in that dtype, their variables
+    stay float32 and the loss is computed in float32). mixed_float16 wraps
+    SGD in a LossScaleOptimizer, whose dynamic loss scale keeps small
+    gradients from flushing to zero in float16 (a step whose gradients
+    overflow is skipped, and the scale halved).
+    """
+    with dtype_policy(precision):
+        model = build_model(name, init, seed, hidden_units)
+    optimizer = keras.optimizers.SGD(learning_rate)
+    if precision == "mixed_float16":
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     model.compile(
-        optimizer=keras.optimizers.SGD(learning_rate),
+        optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
@@ -126,6 +152,8 @@ class ModelSpec:
       name: for the banner and result.
       batch_statistics: the model has layers whose output depends on the batch
         (batch normalization): cutting a shard into chains would change them.
+      jit_compile: every mode compiles each device's forward and backward
+        with XLA (`steps.xla_gradients`).
     """
 
     make: Callable[[], keras.Model]
@@ -133,6 +161,7 @@ class ModelSpec:
     objective: object
     name: str
     batch_statistics: bool
+    jit_compile: bool = False
 
 
 def model_spec(model, samples: dict, field: str = "model", source=None) -> ModelSpec:
@@ -223,12 +252,19 @@ def built_in_spec(config, samples: dict | None = None) -> ModelSpec:
     import tensorflow as tf
 
     make = functools.partial(
-        compiled, config.model, config.init, config.seed, config.hidden_units, config.learning_rate
+        compiled,
+        config.model,
+        config.init,
+        config.seed,
+        config.hidden_units,
+        config.learning_rate,
+        config.precision,
     )
     if samples is None:
         shape = BUILT_IN_INPUTS[config.model]
         samples = {"dataset": (tf.zeros((2, *shape), tf.float32), tf.zeros((2,), tf.int32))}
-    return model_spec(make, samples, source=config.model)
+    spec = model_spec(make, samples, source=config.model)
+    return dataclasses.replace(spec, jit_compile=config.jit_compile)
 
 
 def build_model(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -10,7 +11,7 @@ import tensorflow as tf
 from tfdp.objective import num_examples
 
 
-def replica_gradients(model, objective, batch, global_batch_size, chains=1):
+def replica_gradients(model, objective, batch, global_batch_size, chains=1, jit_compile=False):
     """Forward and backward on one device's shard of the global batch.
 
     The loss is the shard's part of the global batch's loss
@@ -25,11 +26,15 @@ def replica_gradients(model, objective, batch, global_batch_size, chains=1):
       one-threaded kernels (see `devices.default_chains`). The sum is the
       shard's gradient, to float rounding, for any shard size (for models
       without batch statistics: tfdp picks 1 chain for those).
+    jit_compile: the whole forward and backward (all its chains) is one XLA
+      program (`xla_gradients`), compiled for each shard shape it meets.
 
     Returns:
       (gradients, loss, predictions): one gradient per trainable variable, the
       shard's part of the loss (parts add up across shards) and its outputs.
     """
+    if jit_compile:
+        return xla_gradients(model, objective, chains)(batch, global_batch_size)
     if chains == 1:
         return _chain_gradients(model, objective, batch, global_batch_size)
     parts = cut(batch, chains)
@@ -54,6 +59,31 @@ def replica_gradients(model, objective, batch, global_batch_size, chains=1):
         lambda *leaves: tf.concat(leaves, axis=0), *[p for _, _, p in results]
     )
     return gradients, loss, predictions
+
+
+_compiled = weakref.WeakKeyDictionary()  # model -> {(objective id, chains): XLA function}
+
+
+def xla_gradients(model, objective, chains=1):
+    """`replica_gradients` of `model` as one function compiled by XLA
+    (tf.function(jit_compile=True)): (batch, global_batch_size) -> its results.
+
+    One function per model copy, objective and chains, made once: every trace of
+    a step that calls it embeds the same function, and XLA compiles it once per
+    shard shape. It holds only the math: the host clock and the simulated
+    slowdown (`timed_replica_gradients`) stay outside, as XLA cannot compile a
+    call back into Python (tf.numpy_function).
+    """
+    functions = _compiled.setdefault(model, {})
+    key = (id(objective), chains)
+    if key not in functions:
+        functions[key] = tf.function(
+            lambda batch, global_batch_size: replica_gradients(
+                model, objective, batch, global_batch_size, chains
+            ),
+            jit_compile=True,
+        )
+    return functions[key]
 
 
 def _chain_gradients(model, objective, batch, global_batch_size):
@@ -161,7 +191,14 @@ def micro_batch_gradients(model, objective, batch, global_batch_size, pieces, si
 
 
 def timed_replica_gradients(
-    model, objective, batch, global_batch_size, delay_per_example=None, chains=1, timed=True
+    model,
+    objective,
+    batch,
+    global_batch_size,
+    delay_per_example=None,
+    chains=1,
+    timed=True,
+    jit_compile=False,
 ):
     """`replica_gradients`, plus the seconds this device spent on them.
 
@@ -174,13 +211,15 @@ def timed_replica_gradients(
         its backward pass the device sleeps this long per example of its
         shard. A sleep uses no core, so the other devices keep their speed.
       timed: False leaves the clock out (the seconds are 0).
+      jit_compile: XLA compiles the forward and backward; the clock reads
+        around it stay outside, on the host.
 
     Returns:
       (gradients, loss, predictions, seconds).
     """
     if not timed and delay_per_example is None:
         gradients, loss, predictions = replica_gradients(
-            model, objective, batch, global_batch_size, chains
+            model, objective, batch, global_batch_size, chains, jit_compile
         )
         return gradients, loss, predictions, tf.constant(0.0, tf.float64)
     first = tf.nest.flatten(batch)[0]
@@ -188,7 +227,7 @@ def timed_replica_gradients(
     with tf.control_dependencies([start]):  # the forward pass starts after the clock is read
         batch = tf.nest.map_structure(tf.identity, batch)
     gradients, loss, predictions = replica_gradients(
-        model, objective, batch, global_batch_size, chains
+        model, objective, batch, global_batch_size, chains, jit_compile
     )
     end = _clock(*gradients)
     if delay_per_example is not None:

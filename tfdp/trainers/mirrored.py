@@ -80,6 +80,7 @@ class MirroredTrainer(Trainer):
         self.balanced = shards is not None  # the weighted split over all-reduce
         self.chains = chains
         self.timed = timed
+        self.jit_compile = spec.jit_compile  # XLA for each replica's forward and backward
         self.objective = spec.objective
         self.global_batch_size = global_batch_size
         self.input = input
@@ -165,6 +166,7 @@ class MirroredTrainer(Trainer):
             delay,
             self.chains,
             self.timed if timed is None else timed,
+            self.jit_compile,
         )
 
     def set_shards(self, shards) -> None:

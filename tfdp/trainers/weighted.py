@@ -50,6 +50,7 @@ class WeightedTrainer(Trainer):
         self.shards = list(shards)
         self.chains = chains
         self.timed = timed
+        self.jit_compile = spec.jit_compile  # XLA for each device's forward and backward
         self.objective = spec.objective
         self.global_batch_size = sum(shards)
         with tf.device("/cpu:0"):  # the batch is split on the host
@@ -129,6 +130,7 @@ class WeightedTrainer(Trainer):
                         self._delay(i),
                         self.chains,
                         self.timed if timed is None else timed,
+                        self.jit_compile,
                     )
                 )
         return tuple(list(column) for column in zip(*per_device))
@@ -169,6 +171,7 @@ class WeightedTrainer(Trainer):
                 self.global_batch_size,
                 self._delay(index),
                 self.chains,
+                jit_compile=self.jit_compile,
             )
         return seconds
 
