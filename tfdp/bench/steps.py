@@ -60,6 +60,9 @@ flags.DEFINE_integer("warmup", 5, "Untimed steps first.")
 flags.DEFINE_string("mnist_dir", None, "MNIST IDX files (default: $TFDP_MNIST_DIR, else tfds).")
 flags.DEFINE_string("profile_dir", None, "Trace the timed steps here and report time per kernel.")
 flags.DEFINE_integer("top_kernels", 12, "With --profile_dir: how many kernels to report.")
+flags.DEFINE_string(
+    "weights_out", None, "Save the model's weights after the last step here (.npz), to check them."
+)
 
 
 def main(argv) -> None:
@@ -122,6 +125,7 @@ def main(argv) -> None:
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
         model.fit(dataset, steps_per_epoch=FLAGS.warmup, epochs=1, verbose=0)
+        steps_run = FLAGS.warmup + FLAGS.iterations
         with profiled(FLAGS.profile_dir):
             start = time.perf_counter()
             model.fit(dataset, steps_per_epoch=FLAGS.iterations, epochs=1, verbose=0)
@@ -129,10 +133,12 @@ def main(argv) -> None:
     else:
         call = tf.function(steps, jit_compile=True if variant == "xla" else None)
         iterator = iter(dataset)
-        for _ in range(max(1, FLAGS.warmup // steps_per_call)):
+        warmup_calls = max(1, FLAGS.warmup // steps_per_call)
+        for _ in range(warmup_calls):
             metrics = call(iterator)
         float(metrics["loss"])
         calls = max(1, FLAGS.iterations // steps_per_call)
+        steps_run = (warmup_calls + calls) * steps_per_call
         with profiled(FLAGS.profile_dir):
             start = time.perf_counter()
             for _ in range(calls):
@@ -145,7 +151,13 @@ def main(argv) -> None:
         "what": VARIANTS[variant],
         "onednn": onednn.enabled(),
         "images_per_second": FLAGS.iterations * batch / seconds,
+        "seconds": seconds,  # of the timed steps
+        "steps": steps_run,  # all of them, the warm-up's too: the updates the weights saw
     }
+    if FLAGS.weights_out:
+        import numpy as np
+
+        np.savez(FLAGS.weights_out, *model.get_weights())
     if FLAGS.profile_dir:
         totals = kernel_seconds(FLAGS.profile_dir)
         top = sorted(totals.items(), key=lambda item: -item[1])[: FLAGS.top_kernels]
