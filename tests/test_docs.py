@@ -58,7 +58,7 @@ def blocks(path):
     """(language, text) of each fenced block of a Markdown file."""
     with open(os.path.join(ROOT, path)) as f:
         text = f.read()
-    return re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.M | re.S)
+    return re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
 
 
 def commands_of(segment):
@@ -84,9 +84,9 @@ def program(args):
     """`tfdp`, `tfdp-bench`, `tfdp-launch`, or the module of `python -m tfdp...`; else None."""
     if args[0] in ("tfdp", "tfdp-bench", "tfdp-launch"):
         return args[0]
-    if len(args) >= 3 and re.match(r"python3?$", args[0]) and args[1] == "-m":
-        if args[2] == "tfdp" or args[2].startswith("tfdp."):
-            return {"tfdp": "tfdp", "tfdp.launch": "tfdp-launch"}.get(args[2], args[2])
+    python = len(args) >= 3 and re.match(r"python3?$", args[0]) and args[1] == "-m"
+    if python and (args[2] == "tfdp" or args[2].startswith("tfdp.")):
+        return {"tfdp": "tfdp", "tfdp.launch": "tfdp-launch"}.get(args[2], args[2])
     return None
 
 
@@ -183,6 +183,7 @@ print(json.dumps({"names": names + absl + ["flagfile"], "booleans": booleans}))
         process = subprocess.run(
             [sys.executable, "-c", script, module],
             capture_output=True,
+            check=False,
             text=True,
             cwd=ROOT,
             env=environment(),
@@ -214,7 +215,9 @@ def test_every_documented_flag_exists(doc, args, output, module_flags):
             continue
         flag = arg[2:].split("=", 1)[0]
         negated = flag.startswith("no") and flag[2:] in known["booleans"]
-        assert flag in known["names"] or negated, f"{doc}: {' '.join(args)}: --{flag} is not a flag of {module}"
+        assert flag in known["names"] or negated, (
+            f"{doc}: {' '.join(args)}: --{flag} is not a flag of {module}"
+        )
 
 
 RUNNABLE = [command for command in COMMANDS if why_flags_only(command[1]) is None]
@@ -241,6 +244,7 @@ def test_quick_documented_commands_run(doc, args, output, tmp_path):
     process = subprocess.run(
         relocated(args, tmp_path),
         capture_output=True,
+        check=False,
         text=True,
         cwd=ROOT,
         env=environment(),
@@ -257,7 +261,9 @@ def test_quick_documented_commands_run(doc, args, output, tmp_path):
         shown = [
             line
             for line in output
-            if re.sub(r"^\[worker \d+\] ", "", line).startswith(("workload partition", "global batch"))
+            if re.sub(r"^\[worker \d+\] ", "", line).startswith(
+                ("workload partition", "global batch")
+            )
         ]
         assert shown, output
         for line in shown:
@@ -299,3 +305,31 @@ def test_the_promised_tests_exist():
                 source = f.read()
             if match.group(2):
                 assert f"def {match.group(2)}(" in source, (file, match.group(2))
+
+
+def test_help_leads_with_what_a_first_run_needs():
+    process = subprocess.run(
+        [sys.executable, "-m", "tfdp", "--help"],
+        capture_output=True,
+        check=False,
+        text=True,
+        cwd=ROOT,
+        env=environment(),
+        timeout=120,
+    )
+    assert process.returncode == 0, process.stderr
+    listed = re.findall(r"^  --(?:\[no\])?(\w+):", process.stdout, flags=re.MULTILINE)
+    assert listed[:4] == ["mode", "devices", "powers", "batch_size"], listed
+    assert len(listed) == len(set(listed)) >= 30, listed
+    for name in ("tfdp.bench", "tfdp.launch"):
+        process = subprocess.run(
+            [sys.executable, "-m", name, "--help"],
+            capture_output=True,
+            check=False,
+            text=True,
+            cwd=ROOT,
+            env=environment(),
+            timeout=120,
+        )
+        assert process.returncode == 0 and "--" in process.stdout, (name, process.stderr)
+        assert ("--rounds" if name == "tfdp.bench" else "--workers=N") in process.stdout, name

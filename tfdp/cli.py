@@ -361,11 +361,50 @@ def _intra_op_threads(config: Config) -> int:
 
 HELP_ARGUMENTS = ("--help", "-h", "--helpshort", "-?")
 
+# --help's order: what a first run needs first; flags not named here come last, under "other".
+HELP_GROUPS = (
+    ("what to train on", "mode devices powers batch_size logical_cpus logical_gpus"),
+    (
+        "the model and data",
+        "model dataset mnist_dir data_dir iterations epochs learning_rate "
+        "seed init hidden_units drop_remainder",
+    ),
+    (
+        "long runs",
+        "model_dir checkpoint_every keep_checkpoints eval_every result_json log_every progress",
+    ),
+    ("unequal devices", "rebalance_every reduce simulate_slowdown"),
+    ("multiworker", "collective collective_timeout"),
+    (
+        "tuning",
+        "chains intra_op_threads all_reduce mirrored_input jit_compile precision "
+        "gpu_memory_growth logical_gpu_memory",
+    ),
+)
+
+
+def _help_text() -> str:
+    """tfdp's flags with their help, grouped (absl's module_help sorts them by name)."""
+    own = {flag.name: flag for flag in FLAGS.get_flags_for_module(__name__)}
+    groups = [
+        (title, [own.pop(n) for n in names.split() if n in own]) for title, names in HELP_GROUPS
+    ]
+    lines = [(__doc__ or "").strip(), "", "flags (all: --helpfull):"]
+    for title, group in groups + [("other", sorted(own.values(), key=lambda f: f.name))]:
+        if group:
+            lines += ["", f"{title}:"]
+        for flag in group:
+            name = f"--[no]{flag.name}" if flag.boolean else f"--{flag.name}"
+            given = flag.default not in (None, "", [])
+            text = f"{name}: {flag.help}" + (f" (default: {flag.default_as_str})" if given else "")
+            lines.append(flags.text_wrap(text, indent="      ", firstline_indent="  "))
+    return "\n".join(lines)
+
 
 def _parse_flags(argv: list[str]) -> list[str]:
     if any(argument in HELP_ARGUMENTS for argument in argv[1:]):
         # absl's --help lists only __main__'s key flags, which a console script has none of.
-        print((__doc__ or "").strip() + "\n\nflags:\n" + FLAGS.module_help(__name__))
+        print(_help_text())
         sys.exit(0)
     try:
         return FLAGS(argv)

@@ -357,10 +357,18 @@ NETWORK_HELP = """\
                       reaches this machine, and TensorFlow does not authenticate"""
 
 
+LAUNCH_HELP = f"""\
+  --workers=N         processes to start, one worker each (default {DEFAULT_WORKERS})
+  --grace_seconds=S   after a worker fails, how long the others may take to stop
+                      before they are interrupted, then killed (default {DEFAULT_GRACE_SECONDS:g})
+  tfdp flags          every other flag goes to each worker's tfdp --mode=multiworker
+                      (tfdp --help lists them)"""
+
+
 def run() -> None:
     """Console-script entry point."""
     if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
-        print(__doc__.strip() + "\n\n" + USAGE + "\n" + NETWORK_HELP)
+        print(__doc__.strip() + "\n\n" + "\n".join((USAGE, LAUNCH_HELP, NETWORK_HELP)))
         return
     try:
         workers, grace, network, flags = parse_args(sys.argv[1:])

@@ -10,7 +10,7 @@ tutorial's run: LeNet, batch 1024, 50 iterations.
   tfdp-bench --mnist_dir=../shared/data/mnist --json=bench.jsonl --plot=bench.png
 
 `--suite=mixed` measures the ways of splitting a batch over devices of
-unequal speed instead (see bench_mixed.py).
+unequal speed instead (tfdp/bench/mixed.py).
 """
 
 from __future__ import annotations
@@ -666,6 +666,10 @@ def main(argv) -> None:
 
 def run() -> None:
     """Console-script entry point."""
+    if any(arg in ("--help", "-h", "--helpshort", "-?") for arg in sys.argv[1:]):
+        # absl's --help lists only __main__'s key flags, which a console script has none of.
+        print(__doc__.strip() + "\n\nflags (all: --helpfull):\n" + FLAGS.module_help(__name__))
+        return
     app.run(main)
 
 
