@@ -90,7 +90,19 @@ flags.DEFINE_integer(
     "logical_cpus", 0, "Split the host CPU into N logical devices (0: keep it whole)."
 )
 flags.DEFINE_integer(
-    "logical_gpus", 0, "Split GPU 0 into N logical devices (0: keep GPUs as they are)."
+    "logical_gpus",
+    0,
+    "Split GPU 0 into N logical devices of --logical_gpu_memory MB each (0: keep GPUs as they "
+    "are). Replaces --gpu_memory_growth, which TensorFlow ignores once a GPU is split.",
+)
+flags.DEFINE_integer(
+    "logical_gpu_memory", 1024, "Memory of each logical GPU of --logical_gpus, in MB (> 0)."
+)
+flags.DEFINE_bool(
+    "gpu_memory_growth",
+    None,
+    "Every GPU takes memory as it needs it, instead of all of it at start-up. Default: on, "
+    "unless --logical_gpus is given (the two cannot be combined).",
 )
 flags.DEFINE_integer(
     "intra_op_threads",
@@ -318,7 +330,12 @@ def main(argv: list[str]) -> None:
                 "MultiWorkerMirroredStrategy runs one replica per worker on the CPU and does not "
                 "use logical CPUs; start more workers instead (tfdp-launch --workers=N)",
             )
-        configure_logical_devices(FLAGS.logical_cpus, FLAGS.logical_gpus)
+        configure_logical_devices(
+            FLAGS.logical_cpus,
+            FLAGS.logical_gpus,
+            FLAGS.logical_gpu_memory,
+            memory_growth=FLAGS.gpu_memory_growth,
+        )
         set_intra_op_threads(_intra_op_threads(config))
         from tfdp import training  # imports TensorFlow: after the checks that need none
 

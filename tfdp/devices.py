@@ -171,14 +171,40 @@ def parse_devices(spec: str, available: Sequence[str]) -> list[str]:
 
 
 def available_devices() -> list[str]:
-    """Canonical names of the logical CPUs and GPUs TensorFlow can use."""
+    """Canonical names of the logical GPUs and CPUs TensorFlow can use, GPUs first."""
     import tensorflow as tf
 
-    return [
+    return gpus_first(
         _canonical_logical_name(d.name)
         for kind in ("CPU", "GPU")
         for d in tf.config.list_logical_devices(kind)
-    ]
+    )
+
+
+def gpus_first(devices) -> list[str]:
+    """The GPUs in the order given, then the other devices in the order given.
+
+    The default order of devices: device 0 of a weighted run holds the master
+    weights and applies the update, which belongs on a GPU when there is one.
+    """
+    devices = list(devices)
+    return [d for d in devices if ":GPU:" in d] + [d for d in devices if ":GPU:" not in d]
+
+
+def master_on_cpu(devices: Sequence[str]) -> str | None:
+    """A sentence for a weighted run whose device 0 is a CPU while a GPU takes part; else None.
+
+    Device 0 holds the master weights and the optimizer's slots, receives every
+    other device's gradients and applies the update (trainers/weighted.py):
+    on a CPU, the GPU waits for it at every step.
+    """
+    if not devices or ":CPU:" not in devices[0] or not any(":GPU:" in d for d in devices):
+        return None
+    reordered = ",".join(short_name(d).lower() for d in gpus_first(devices))
+    return (
+        f"device 0 is {short_name(devices[0])}, so the master weights and the update sit on "
+        f"the CPU while a GPU takes part; put the GPU first, e.g. --devices={reordered}"
+    )
 
 
 def _canonical_logical_name(name: str) -> str:
@@ -280,26 +306,72 @@ def reserve_sleeping_threads(count: int) -> None:
 
 
 def configure_logical_devices(
-    logical_cpus: int = 0, logical_gpus: int = 0, gpu_memory_mb: int = 1024
+    logical_cpus: int = 0,
+    logical_gpus: int = 0,
+    gpu_memory_mb: int = 1024,
+    memory_growth: bool | None = None,
 ) -> None:
-    """Splits the host CPU (and GPU 0) into logical devices.
+    """Sets up the GPUs' memory, and splits the host CPU (and GPU 0) into logical devices.
 
     Must run before TensorFlow initialises its runtime, i.e. before the first op
     or device listing of the process. Calling it again with the same numbers is
     harmless; asking for other numbers afterwards is an error, since TensorFlow
     cannot change logical devices once started.
 
+    Memory growth and logical GPUs exclude each other: TensorFlow refuses memory
+    growth on a GPU cut into logical devices, and once any GPU is cut it ignores
+    memory growth on every GPU. So logical GPUs take precedence over memory
+    growth left at its default, and asking for both is an error.
+
     Args:
         logical_cpus: 0 keeps the CPU whole, N > 0 makes CPU:0..CPU:N-1.
         logical_gpus: 0 keeps GPUs as they are, N > 0 splits GPU 0 into N.
-        gpu_memory_mb: memory limit of each logical GPU.
+        gpu_memory_mb: memory of each logical GPU, in MB (`--logical_gpu_memory`).
+        memory_growth: every physical GPU takes memory as it needs it instead of
+            all of it at start-up (`--gpu_memory_growth`); None: on, unless
+            `logical_gpus` is set.
+
+    Raises:
+        ConfigError: a negative count, a memory size that is not a positive
+            whole number of MB, memory growth asked for with logical GPUs,
+            logical GPUs without a GPU, or logical devices TensorFlow already
+            started without.
     """
     if logical_cpus < 0:
         raise ConfigError("logical_cpus", logical_cpus, "must be 0 (keep the CPU whole) or more")
     if logical_gpus < 0:
         raise ConfigError("logical_gpus", logical_gpus, "must be 0 (keep GPUs as they are) or more")
+    if isinstance(gpu_memory_mb, bool) or not isinstance(gpu_memory_mb, int) or gpu_memory_mb < 1:
+        raise ConfigError(
+            "logical_gpu_memory",
+            gpu_memory_mb,
+            "must be a positive whole number of MB, the memory of each logical GPU",
+        )
+    if memory_growth and logical_gpus:
+        raise ConfigError(
+            "gpu_memory_growth",
+            memory_growth,
+            f"cannot be combined with --logical_gpus={logical_gpus}: TensorFlow gives logical "
+            "GPUs fixed memory (--logical_gpu_memory) and then ignores memory growth; "
+            "leave out one of the two",
+        )
     import tensorflow as tf
 
+    gpus = tf.config.list_physical_devices("GPU")
+    if logical_gpus and not gpus:
+        raise ConfigError("logical_gpus", logical_gpus, "needs a GPU, and this machine has none")
+    for gpu in gpus if memory_growth or (memory_growth is None and not logical_gpus) else ():
+        try:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        except RuntimeError as error:  # TensorFlow has already started, without it
+            if memory_growth is None:
+                break  # not asked for: TensorFlow keeps the memory set-up it started with
+            raise ConfigError(
+                "gpu_memory_growth",
+                True,
+                "TensorFlow has already started with memory growth off; it can only be set "
+                "before TensorFlow initialises",
+            ) from error
     if logical_cpus:
         cpu = tf.config.list_physical_devices("CPU")[0]
         _set_logical(
@@ -311,11 +383,6 @@ def configure_logical_devices(
             "CPU",
         )
     if logical_gpus:
-        gpus = tf.config.list_physical_devices("GPU")
-        if not gpus:
-            raise ConfigError(
-                "logical_gpus", logical_gpus, "needs a GPU, and this machine has none"
-            )
         config = tf.config.LogicalDeviceConfiguration(memory_limit=gpu_memory_mb)
         _set_logical(tf, gpus[0], [config] * logical_gpus, "logical_gpus", logical_gpus, "GPU")
 

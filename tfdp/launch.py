@@ -42,7 +42,8 @@ import threading
 import time
 
 USAGE = (
-    "usage: tfdp-launch [--workers=N] [--grace_seconds=S] [--network=isolated|host] [tfdp flags]"
+    "usage: tfdp-launch [--workers=N] [--gpus_per_worker=K] [--grace_seconds=S] "
+    "[--network=isolated|host] [tfdp flags]"
 )
 DEFAULT_WORKERS = 2
 DEFAULT_GRACE_SECONDS = 30.0  # longer than TensorFlow's heartbeat timeout (about 10 s)
@@ -59,12 +60,26 @@ class UsageError(ValueError):
         super().__init__(f"{flag}: {reason}")
 
 
-def parse_args(argv: list[str]) -> tuple[int, float, str | None, list[str]]:
-    """(workers, grace_seconds, network or None for the default, the flags for tfdp)."""
-    workers, grace, network, passed = DEFAULT_WORKERS, DEFAULT_GRACE_SECONDS, None, []
+def parse_args(argv: list[str]) -> tuple[int, float, str | None, int | None, list[str]]:
+    """(workers, grace_seconds, network or None for the default, gpus_per_worker or None to
+    leave CUDA_VISIBLE_DEVICES as it is, the flags for tfdp)."""
+    workers, grace, network, gpus_per_worker, passed = (
+        DEFAULT_WORKERS,
+        DEFAULT_GRACE_SECONDS,
+        None,
+        None,
+        [],
+    )
     for arg in argv:
         name, _, value = arg.partition("=")
-        if name == "--workers":
+        if name == "--gpus_per_worker":
+            try:
+                gpus_per_worker = int(value)
+            except ValueError:
+                raise UsageError(arg, "must be a positive integer") from None
+            if gpus_per_worker < 1:
+                raise UsageError(arg, "must be a positive integer: the GPUs each worker gets")
+        elif name == "--workers":
             try:
                 workers = int(value)
             except ValueError:
@@ -90,7 +105,56 @@ def parse_args(argv: list[str]) -> tuple[int, float, str | None, list[str]]:
             passed.append(arg)
     if not any(arg.startswith("--mode=") for arg in passed):
         passed.insert(0, "--mode=multiworker")
-    return workers, grace, network, passed
+    return workers, grace, network, gpus_per_worker, passed
+
+
+def visible_gpus(environ) -> list[str] | None:
+    """The GPUs the launcher may hand out, as CUDA_VISIBLE_DEVICES entries; None: unknown.
+
+    From CUDA_VISIBLE_DEVICES when it is set (CUDA stops at its first negative
+    entry), else from `nvidia-smi -L` when there is one. Without TensorFlow,
+    which takes seconds to import.
+    """
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        gpus = []
+        for entry in environ["CUDA_VISIBLE_DEVICES"].split(","):
+            if not entry.strip() or entry.strip().startswith("-"):
+                break
+            gpus.append(entry.strip())
+        return gpus
+    try:
+        listing = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    count = sum(1 for line in listing.splitlines() if line.startswith("GPU "))
+    return [str(i) for i in range(count)]
+
+
+def check_gpus(workers: int, gpus_per_worker: int, gpus: list[str] | None) -> None:
+    """Raises UsageError when the workers need more GPUs than are visible (None: unknown)."""
+    if gpus is not None and workers * gpus_per_worker > len(gpus):
+        raise UsageError(
+            f"--gpus_per_worker={gpus_per_worker}",
+            f"{workers} workers x {gpus_per_worker} GPUs need {workers * gpus_per_worker}, "
+            f"and {len(gpus)} are visible here ({', '.join(gpus) or 'none'})",
+        )
+
+
+def worker_environment(
+    environ, tf_config: str, index: int, gpus_per_worker: int | None = None, gpus=None
+) -> dict[str, str]:
+    """Worker `index`'s environment: `environ` with its TF_CONFIG, unbuffered output, and,
+    with `gpus_per_worker` K, CUDA_VISIBLE_DEVICES naming its own K GPUs: entries
+    index*K .. index*K+K-1 of `gpus` (the launcher's visible GPUs; None: GPUs 0, 1, ...).
+    Without `gpus_per_worker`, CUDA_VISIBLE_DEVICES is left as it is."""
+    env = dict(environ, TF_CONFIG=tf_config, PYTHONUNBUFFERED="1")
+    if gpus_per_worker:
+        first = index * gpus_per_worker
+        own = range(first, first + gpus_per_worker)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) if gpus is None else gpus[i] for i in own)
+    return env
 
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
@@ -192,14 +256,14 @@ def _status_text(code: int) -> str:
 class _Workers:
     """The processes of one start of the cluster, and the threads that copy their output."""
 
-    def __init__(self, count: int, flags: list[str], lock: threading.Lock):
+    def __init__(self, count: int, flags: list[str], lock: threading.Lock, gpus_per_worker, gpus):
         self.port_taken = [False] * count
         self.processes, self.threads = [], []
-        for tf_config in tf_configs(free_ports(count)):
+        for i, tf_config in enumerate(tf_configs(free_ports(count))):
             self.processes.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "tfdp", *flags],
-                    env=dict(os.environ, TF_CONFIG=tf_config, PYTHONUNBUFFERED="1"),
+                    env=worker_environment(os.environ, tf_config, i, gpus_per_worker, gpus),
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     start_new_session=True,  # Ctrl-C reaches the launcher, which passes it on once
@@ -230,9 +294,17 @@ class _Workers:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
-def launch(workers: int, flags: list[str], grace_seconds: float = DEFAULT_GRACE_SECONDS) -> int:
+def launch(
+    workers: int,
+    flags: list[str],
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    gpus_per_worker: int | None = None,
+    gpus: list[str] | None = None,
+) -> int:
     """Runs the cluster; returns 0, the first failing worker's status (128 + N for signal N),
     or 128 + N when signal N (SIGTERM, SIGINT) stopped it.
+
+    gpus_per_worker, gpus: as in `worker_environment`.
 
     Call it from the main thread: it handles SIGTERM and SIGINT until it returns.
     """
@@ -248,10 +320,16 @@ def launch(workers: int, flags: list[str], grace_seconds: float = DEFAULT_GRACE_
 
     try:
         status = _supervise(
-            _Workers(workers, flags, lock), grace_seconds, received, say, retry=True
+            _Workers(workers, flags, lock, gpus_per_worker, gpus),
+            grace_seconds,
+            received,
+            say,
+            retry=True,
         )
         if status is None:  # a port was taken between choosing and binding it: once more
-            status = _supervise(_Workers(workers, flags, lock), grace_seconds, received, say)
+            status = _supervise(
+                _Workers(workers, flags, lock, gpus_per_worker, gpus), grace_seconds, received, say
+            )
         return status
     finally:
         for signum, handler in previous.items():
@@ -355,6 +433,11 @@ NETWORK_HELP = """\
   --network=host      the workers on this machine's network, e.g. to download data
                       from the internet; their ports are open to every host that
                       reaches this machine, and TensorFlow does not authenticate"""
+GPUS_HELP = """\
+  --gpus_per_worker=K worker i gets GPUs i*K .. i*K+K-1 of those visible to the
+                      launcher, through CUDA_VISIBLE_DEVICES; checked against
+                      CUDA_VISIBLE_DEVICES or `nvidia-smi -L` when either is there,
+                      otherwise trusted (default: the environment is left as it is)"""
 
 
 LAUNCH_HELP = f"""\
@@ -368,13 +451,25 @@ LAUNCH_HELP = f"""\
 def run() -> None:
     """Console-script entry point."""
     if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
-        print(__doc__.strip() + "\n\n" + "\n".join((USAGE, LAUNCH_HELP, NETWORK_HELP)))
+        print(__doc__.strip() + "\n\n" + "\n".join((USAGE, LAUNCH_HELP, NETWORK_HELP, GPUS_HELP)))
         return
+    gpus = None
     try:
-        workers, grace, network, flags = parse_args(sys.argv[1:])
+        workers, grace, network, gpus_per_worker, flags = parse_args(sys.argv[1:])
+        if gpus_per_worker:
+            gpus = visible_gpus(os.environ)
+            check_gpus(workers, gpus_per_worker, gpus)
     except UsageError as error:
         print(f"tfdp-launch: error: {error}", file=sys.stderr)
         sys.exit(2)
+    if gpus_per_worker and gpus is None:
+        print(
+            "tfdp-launch: note: cannot count the GPUs here (no CUDA_VISIBLE_DEVICES, no "
+            f"nvidia-smi); giving worker i GPUs i*{gpus_per_worker} .. "
+            f"i*{gpus_per_worker}+{gpus_per_worker - 1} as asked",
+            file=sys.stderr,
+            flush=True,
+        )
     if network != "host":
         try:
             isolate_network()
@@ -394,7 +489,7 @@ def run() -> None:
                 file=sys.stderr,
                 flush=True,
             )
-    sys.exit(launch(workers, flags, grace))
+    sys.exit(launch(workers, flags, grace, gpus_per_worker, gpus))
 
 
 if __name__ == "__main__":

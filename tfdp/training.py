@@ -50,7 +50,8 @@ class Plan:
 
 
 def default_devices(mode: str, available: list[str]) -> str:
-    """single: the first GPU, else the CPU. Other modes: all (see parse_devices)."""
+    """single: the first GPU, else the CPU. Other modes: all (see parse_devices): every GPU,
+    else every CPU, so that a GPU is device 0 wherever there is one."""
     if mode == "single":
         gpus = [d for d in available if ":GPU:" in d]
         return short_name((gpus or available)[0])
@@ -338,6 +339,12 @@ def banner(plan: Plan, trainer, start_step: int, shards: list[int]) -> str:
         )
     if start_step:
         text += f"; resuming at iteration {start_step} from {config.model_dir}"
+    if config.mode == "weighted" and config.reduce == "device0":
+        from tfdp.devices import master_on_cpu
+
+        warning = master_on_cpu(plan.devices)
+        if warning:
+            text += f"; warning: {warning}"
     return text
 
 
