@@ -143,7 +143,7 @@ class MultiWorkerTrainer(Trainer):
         from tfdp.steps import clip_before_all_reduce, replica_gradients
 
         gradients, loss, predictions = replica_gradients(
-            self.model, self.objective, batch, examples
+            self.model, self.objective, batch, examples, jit_compile=self.spec.jit_compile
         )
         gradients = clip_before_all_reduce(self.optimizer, gradients)
         # Inside a replica, the optimizer all-reduces (sums) the gradients over all workers.
