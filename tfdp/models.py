@@ -122,13 +122,18 @@ def compiled(
 
     precision: the Keras dtype policy its layers are built with (float32,
     mixed_bfloat16, mixed_float16: they compute in that dtype, their variables
-    stay float32 and the loss is computed in float32). mixed_float16 wraps
+    stay float32; a float32 linear layer last makes the logits float32). mixed_float16 wraps
     SGD in a LossScaleOptimizer, whose dynamic loss scale keeps small
     gradients from flushing to zero in float16 (a step whose gradients
     overflow is skipped, and the scale halved).
     """
     with dtype_policy(precision):
         model = build_model(name, init, seed, hidden_units)
+    if precision != "float32":
+        # float32 logits, as Keras' mixed precision guide advises: the softmax, the loss
+        # and the outputs every mode gathers are float32 (a bfloat16 tensor cannot be
+        # all-gathered between workers)
+        model.add(keras.layers.Activation("linear", dtype="float32", name="logits"))
     optimizer = keras.optimizers.SGD(learning_rate)
     if precision == "mixed_float16":
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)

@@ -1,0 +1,229 @@
+"""--jit_compile and --precision: every mode makes the update `single` makes with the same
+switch, and the switch takes effect (an XLA program; float16/bfloat16 layers over float32
+variables, loss scaling for float16). Refused combinations are one line, exit 2."""
+
+import os
+import sys
+
+import keras
+import numpy as np
+import pytest
+from conftest import CPUS, own_stderr_lines, tfdp
+
+from tfdp import Config, steps
+from tfdp.data import Arrays, train_dataset
+from tfdp.models import initial_weights
+from tfdp.trainers import build_trainer
+from tfdp.training import partition
+
+BATCH = 100
+SEED = 5
+STEPS = 3
+
+# Each switch, and the largest difference from `single` allowed for a weight, as a
+# fraction of that weight tensor's largest change over the steps. float32 (with or
+# without XLA): float rounding, as in test_equivalence (measured: at most 2e-5 of
+# the change). bfloat16 keeps 8 bits of mantissa, float16 11: a different split
+# of the batch rounds different activations and partial sums, and the updates
+# differ by a few percent of their size (measured: at most 0.059 for bfloat16,
+# 0.033 for float16). A shard whose gradient is lost or counted twice changes the
+# update by its share of the batch, 1/6 or more in these cases.
+SWITCHES = {
+    "jit": ({"jit_compile": True}, 1e-4),
+    "bfloat16": ({"precision": "mixed_bfloat16"}, 0.12),
+    "float16": ({"precision": "mixed_float16"}, 0.1),
+    "jit+bfloat16": ({"jit_compile": True, "precision": "mixed_bfloat16"}, 0.12),
+}
+
+MODES = [
+    ("mirrored", CPUS[:3], (), {}),  # 100 = 34 + 33 + 33
+    ("weighted", CPUS[:2], (1, 5), {}),
+    ("weighted", CPUS[:4], (3, 1, 1, 1), {"reduce": "allreduce"}),
+    # the host clock in the step, around the compiled forward and backward
+    ("weighted", CPUS[:2], (1, 5), {"rebalance_every": 2}),
+]
+
+
+@pytest.fixture(scope="module")
+def images():
+    rng = np.random.default_rng(0)
+    return Arrays(
+        rng.integers(0, 256, (600, 28, 28, 1), dtype=np.uint8),
+        rng.integers(0, 10, 600).astype(np.int32),
+    )
+
+
+def train_steps(mode, devices, powers, images, **options):
+    config = Config(
+        mode=mode, devices=",".join(devices), powers=powers, batch_size=BATCH, seed=SEED, **options
+    )
+    trainer = build_trainer(config, devices, partition(config, devices))
+    start = trainer.get_weights()
+    iterator = trainer.distribute(train_dataset(images, BATCH, SEED))
+    for _ in range(STEPS):
+        trainer.train_step(iterator)
+    return trainer, start
+
+
+@pytest.fixture(scope="module")
+def singles(images):
+    """`single` with each switch: (trainer, initial weights)."""
+    return {
+        name: train_steps("single", CPUS[:1], (), images, **switch)
+        for name, (switch, _) in SWITCHES.items()
+    }
+
+
+@pytest.mark.parametrize("mode, devices, powers, options", MODES)
+@pytest.mark.parametrize("switch", SWITCHES)
+def test_every_mode_makes_the_update_of_single(
+    switch, mode, devices, powers, options, images, singles
+):
+    settings, tolerance = SWITCHES[switch]
+    trainer, _ = train_steps(mode, devices, powers, images, **settings, **options)
+    single, start = singles[switch]
+    for got, want, first in zip(trainer.get_weights(), single.get_weights(), start, strict=True):
+        change = np.abs(want - first).max()
+        assert change > 1e-4  # the steps moved every weight tensor
+        assert np.abs(got - want).max() <= tolerance * change
+
+
+def test_jit_compile_runs_the_step_as_an_xla_program(singles, images):
+    trainer, _ = singles["jit"]
+    compiled = steps._compiled[trainer.model]
+    assert len(compiled) == 1  # one function for the model, whatever was traced
+    (function,) = compiled.values()
+    x = images.images[:BATCH].astype(np.float32) / 255.0
+    hlo = function.experimental_get_compiler_ir((x, images.labels[:BATCH]), BATCH)(stage="hlo")
+    assert "convolution(" in hlo  # LeNet's convolutions, lowered by XLA
+    plain, _ = singles["bfloat16"]
+    assert plain.model not in steps._compiled
+    # XLA's kernels round differently from oneDNN's: the same math, not the same program
+    float32, _ = train_steps("single", CPUS[:1], (), images)
+    differences = [
+        np.abs(a - b).max() for a, b in zip(trainer.get_weights(), float32.get_weights())
+    ]
+    assert 0 < max(differences) < 1e-2
+
+
+@pytest.mark.parametrize(
+    "switch, compute",
+    [("bfloat16", "bfloat16"), ("float16", "float16"), ("jit+bfloat16", "bfloat16")],
+)
+def test_precision_sets_the_layers_policy_in_every_copy(switch, compute, images):
+    settings, _ = SWITCHES[switch]
+    trainer, _ = train_steps("weighted", CPUS[:2], (1, 3), images, **settings)
+    for model in trainer.models:
+        weighted = [layer for layer in model.layers if layer.weights]
+        assert len(weighted) == 4  # LeNet's two convolutions and two dense layers
+        *layers, logits = model.layers
+        assert {layer.compute_dtype for layer in layers} == {compute}
+        assert logits.compute_dtype == "float32" and not logits.weights
+        assert {v.dtype for v in model.weights} == {"float32"}
+    scaled = isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert scaled == (compute == "float16")
+    # the policy was the run's only: what is built afterwards is float32
+    assert keras.config.dtype_policy().name == "float32"
+    assert keras.layers.Dense(2).compute_dtype == "float32"
+
+
+def test_float32_has_no_loss_scaling(singles):
+    trainer, _ = singles["jit"]
+    assert not isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert {layer.compute_dtype for layer in trainer.model.layers} == {"float32"}
+
+
+# ---------------------------------------------------------------- through the CLI
+
+TOY = ["--model=toy", "--batch_size=256", "--iterations=3", "--progress=never"]
+
+
+def launch(*args, tmp_path):
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TFDP_MNIST_DIR", "TF_CONFIG")}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    return subprocess.run(
+        [sys.executable, "-m", "tfdp.launch", "--workers=2", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+        check=False,
+    )
+
+
+def exported(model_dir):
+    return keras.models.load_model(os.path.join(model_dir, "model.keras"))
+
+
+@pytest.mark.parametrize(
+    "flags, compute, tolerance",
+    [
+        (["--jit_compile"], "float32", 1e-4),
+        (["--precision=mixed_bfloat16"], "bfloat16", 0.12),
+        (["--precision=mixed_float16", "--jit_compile"], "float16", 0.1),
+    ],
+)
+def test_the_flags_two_workers_make_the_update_of_single(
+    flags, compute, tolerance, tmp_path, monkeypatch
+):
+    dump = tmp_path / "xla"
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to={dump}")
+    single = tfdp(*TOY, *flags, f"--model_dir={tmp_path / 'single'}")
+    assert single.returncode == 0, single.stderr
+    # XLA compiled programs for the run exactly when --jit_compile is given
+    assert (dump.is_dir() and any(dump.iterdir())) == ("--jit_compile" in flags)
+    workers = launch(*TOY, *flags, f"--model_dir={tmp_path / 'workers'}", tmp_path=tmp_path)
+    assert workers.returncode == 0, workers.stderr
+    got, want = exported(tmp_path / "workers"), exported(tmp_path / "single")
+    for model in (got, want):
+        *layers, logits = model.layers
+        assert {layer.compute_dtype for layer in layers} == {compute}
+        assert logits.compute_dtype == "float32"
+        assert {v.dtype for v in model.weights} == {"float32"}
+        scaled = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        assert scaled == (compute == "float16")
+    # the toy model's initial weights (seed 0, as the runs) do not depend on the flags
+    initial = initial_weights("toy")
+    for g, w, first in zip(got.get_weights(), want.get_weights(), initial, strict=True):
+        change = np.abs(w - first).max()
+        assert change > 1e-4
+        assert np.abs(g - w).max() <= tolerance * change
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (
+            ["--precision=float64"],
+            (
+                "flag --precision=float64: value should be one of "
+                "<float32|mixed_bfloat16|mixed_float16>"
+            ),
+        ),
+        (
+            ["--precision=mixed_float16", "--model=examples/mnist_cnn.py:make_model"],
+            (
+                "--precision=mixed_float16: applies to the built-in models (lenet, toy), not "
+                "examples/mnist_cnn.py:make_model; build your model under a "
+                "keras.mixed_precision policy"
+            ),
+        ),
+        (
+            ["--jit_compile", "--model=examples/mnist_cnn.py:make_model"],
+            (
+                "--jit_compile: applies to the built-in models (lenet, toy), not "
+                "examples/mnist_cnn.py:make_model"
+            ),
+        ),
+    ],
+)
+def test_refused_flags_are_one_line(args, line, tmp_path):
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    process = tfdp(*args, "--iterations=1", f"--model_dir={tmp_path / 'run'}", cwd=repo)
+    assert process.returncode == 2, process.stderr
+    lines = own_stderr_lines(process)
+    assert len(lines) == 1 and lines[0].startswith("tfdp: error: " + line), lines
+    assert not (tmp_path / "run").exists()
