@@ -1,8 +1,11 @@
+import os
+import subprocess
+import sys
+
 import pytest
 from conftest import CPUS, NUM_LOGICAL_CPUS
 
-from tfdp import ConfigError, configure_logical_devices
-from tfdp import Config
+from tfdp import Config, ConfigError, configure_logical_devices
 from tfdp.devices import (
     available_devices,
     canonical_name,
@@ -55,7 +58,11 @@ def test_bad_devices_are_named(spec, message):
 
 
 def test_logical_cpus_exist():
-    assert available_devices() == CPUS
+    """The 4 logical CPUs, after the host's GPUs (none on a CPU-only host)."""
+    import tensorflow as tf
+
+    gpus = [f"/device:GPU:{i}" for i in range(len(tf.config.list_physical_devices("GPU")))]
+    assert available_devices() == gpus + CPUS
 
 
 def test_logical_cpus_cannot_change_after_start():
@@ -65,8 +72,26 @@ def test_logical_cpus_cannot_change_after_start():
 
 
 def test_logical_gpus_need_a_gpu():
-    with pytest.raises(ConfigError, match="needs a GPU"):
-        configure_logical_devices(logical_gpus=2)
+    """On a host without GPUs, as CUDA_VISIBLE_DEVICES="" makes any host: a fresh process,
+    since this one has started TensorFlow with whatever GPUs it found."""
+    code = (
+        "from tfdp import ConfigError, configure_logical_devices\n"
+        "try:\n"
+        "    configure_logical_devices(logical_gpus=2)\n"
+        "except ConfigError as error:\n"
+        "    print(error.field, '|', error.reason)\n"
+    )
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
+    process = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert process.returncode == 0, process.stderr
+    assert process.stdout == "logical_gpus | needs a GPU, and this machine has none\n"
 
 
 EVEN_OVER_FOUR = dict(logical_cpus=4, gpus=0, cores=2)
