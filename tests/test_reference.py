@@ -29,8 +29,8 @@ LEARNING_RATE = 0.1  # the tutorial's, and Config's default
 LENET_EXAMPLES, LENET_TEST, LENET_BATCH = 512, 100, 64
 TOY_EXAMPLES, TOY_BATCH = 10000, 100  # the toy data set's size in a run (training.load_split)
 NON_SINGLE = {
-    "weighted": dict(mode="weighted", devices="cpu:0,cpu:1", powers=(1, 3)),
-    "mirrored": dict(mode="mirrored", devices="cpu:0,cpu:1"),
+    "weighted": {"mode": "weighted", "devices": "cpu:0,cpu:1", "powers": (1, 3)},
+    "mirrored": {"mode": "mirrored", "devices": "cpu:0,cpu:1"},
 }
 
 
@@ -62,12 +62,16 @@ def small_mnist(mnist_dir, tmp_path_factory):
     for (images, labels), prefix in ((train, "train"), (test, "t10k")):
         write_idx(directory / f"{prefix}-images-idx3-ubyte.gz", 2051, images)
         write_idx(directory / f"{prefix}-labels-idx1-ubyte.gz", 2049, labels)
-    as_inputs = lambda images: (images[..., None] / np.float32(255)).astype(np.float32)  # noqa: E731
     return {
         "dir": str(directory),
         "train": (as_inputs(train[0]), train[1].astype(np.int32)),
         "test": (as_inputs(test[0]), test[1].astype(np.int32)),
     }
+
+
+def as_inputs(images):
+    """uint8 images as the model reads them: float32 in [0, 1], one channel."""
+    return (images[..., None] / np.float32(255)).astype(np.float32)
 
 
 def plain_lenet():
