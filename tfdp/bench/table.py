@@ -70,8 +70,10 @@ flags.DEFINE_string("plot", None, "Draw images/s against device count per mode (
 flags.DEFINE_enum(
     "suite",
     "scaling",
-    ["scaling", "mixed"],
-    "scaling: the tutorial's table over device counts; mixed: splits over unequal devices.",
+    ["scaling", "mixed", "switches"],
+    "scaling: the tutorial's table over device counts; mixed: splits over unequal devices; "
+    "switches: --jit_compile and each --precision against the plain step, at each of "
+    "--device_counts (single at 1, mirrored above).",
 )
 flags.DEFINE_list("mixed_devices", ["cpu:0", "cpu:1"], "mixed: the two devices.")
 flags.DEFINE_string(
@@ -96,6 +98,8 @@ class Spec:
     powers: tuple[float, ...] = ()
     # oneDNN's CPU kernels (onednn.py): "tfdp" on, as tfdp runs; "tensorflow", TF's own default.
     onednn: str = "tfdp"
+    jit_compile: bool = False  # tfdp's --jit_compile
+    precision: str = "float32"  # tfdp's --precision
 
 
 def configurations(counts, uneven_powers, worker_counts=(), keras_onednn=()) -> list[Spec]:
@@ -116,6 +120,21 @@ def configurations(counts, uneven_powers, worker_counts=(), keras_onednn=()) -> 
         label = ":".join(f"{p:g}" for p in uneven_powers)
         specs.append(Spec(f"tfdp weighted {label}", "tfdp", "weighted", 2, tuple(uneven_powers)))
     specs += [Spec(f"tfdp multiworker x{n}", "tfdp", "multiworker", n) for n in worker_counts]
+    return specs
+
+
+def switch_configurations(counts) -> list[Spec]:
+    """`--suite=switches`: at each device count, tfdp's plain step, then --jit_compile and
+    the mixed precisions (single at 1 device, mirrored above)."""
+    specs = [Spec("matmul peak", "matmul", "matmul", 1)]
+    for n in counts:
+        mode, label = ("single", "tfdp single") if n == 1 else ("mirrored", f"tfdp mirrored x{n}")
+        specs += [
+            Spec(label, "tfdp", mode, n),
+            Spec(f"{label} jit", "tfdp", mode, n, jit_compile=True),
+            Spec(f"{label} bfloat16", "tfdp", mode, n, precision="mixed_bfloat16"),
+            Spec(f"{label} float16", "tfdp", mode, n, precision="mixed_float16"),
+        ]
     return specs
 
 
@@ -166,6 +185,8 @@ def measure_tfdp(spec: Spec, job: dict) -> dict:
         devices=",".join(short_name(d) for d in devices),
         powers=spec.powers,
         batch_size=job["batch_size"],
+        jit_compile=spec.jit_compile,
+        precision=spec.precision,
     )
     # as the tfdp command would choose (the Keras rows keep TensorFlow's default)
     set_intra_op_threads(default_intra_op_threads(config, 0, 0, os.cpu_count() or 1))
@@ -604,12 +625,15 @@ def main(argv) -> None:
         return
     counts = [int(c) for c in FLAGS.device_counts]
     kind = detect_kind() if FLAGS.devices == "auto" else FLAGS.devices
-    specs = configurations(
-        counts,
-        [float(p) for p in FLAGS.uneven_powers],
-        [int(n) for n in FLAGS.workers],
-        [int(n) for n in FLAGS.keras_onednn],
-    )
+    if FLAGS.suite == "switches":
+        specs = switch_configurations(counts)
+    else:
+        specs = configurations(
+            counts,
+            [float(p) for p in FLAGS.uneven_powers],
+            [int(n) for n in FLAGS.workers],
+            [int(n) for n in FLAGS.keras_onednn],
+        )
     if FLAGS.only:
         specs = [s for s in specs if s.name in FLAGS.only or s.system == "matmul"]
     job = {
