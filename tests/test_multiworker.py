@@ -159,6 +159,43 @@ def test_only_the_chief_writes(runs):
     assert os.listdir(runs["root"] / "tmp") == []
 
 
+def test_rebalancing_workers_make_the_update_of_single_and_keep_the_split(tmp_path):
+    # worker:1 sleeps 7x its own compute time: the split moves off 128 + 128.
+    steps = [*TOY, "--log_every=1", "--rebalance_every=2", "--simulate_slowdown=worker:1=8"]
+    model_dir = tmp_path / "rebalanced"
+    rebalanced = launch(*steps, "--iterations=12", f"--model_dir={model_dir}")
+    assert rebalanced.returncode == 0, rebalanced.stderr
+    single = tfdp(*TOY, "--iterations=12", f"--model_dir={tmp_path / 'single'}")
+    assert single.returncode == 0, single.stderr
+
+    saved = result(str(model_dir))
+    assert saved["rebalances"], "no re-split happened: the test shows nothing"
+    assert saved["final_shards"] != [128, 128] and sum(saved["final_shards"]) == 256
+    assert len(saved["device_seconds"]) == 2
+    for worker in (0, 1):  # every worker printed the same re-splits
+        lines = [line for line in worker_lines(rebalanced.stdout, worker) if "rebalanced" in line]
+        assert len(lines) == len(saved["rebalances"])
+        assert [line.split(" (")[0] for line in lines] == [
+            f"rebalanced after iteration {r['iteration']}: shares {r['old']} -> {r['new']}"
+            for r in saved["rebalances"]
+        ]
+    weights, expected = exported_weights(model_dir, tmp_path / "single")
+    for got, want in zip(weights, expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+    # The split survives a resume: the workers start from it instead of 128 + 128.
+    with open(model_dir / "shares.json") as f:
+        shares = json.load(f)
+    assert shares["step"] == 12 and shares["shards"] == saved["final_shards"]
+    resumed = launch(*steps, "--iterations=14", f"--model_dir={model_dir}")
+    assert resumed.returncode == 0, resumed.stderr
+    for worker in (0, 1):
+        assert f"shares {shares['shards']}: the split at iteration 12, from " in "\n".join(
+            worker_lines(resumed.stdout, worker)
+        )
+    assert result(str(model_dir))["shards"] == shares["shards"]
+
+
 LONG = [*TOY, "--iterations=600", "--checkpoint_every=50", "--log_every=100"]
 
 

@@ -181,12 +181,16 @@ def validate(config: Config) -> None:
             config.powers,
             f"applies to modes weighted and multiworker only, not {config.mode}",
         )
-    for field, value, default in (
-        ("reduce", config.reduce, "device0"),
-        ("rebalance_every", config.rebalance_every, 0),
-    ):
-        if value != default and config.mode != "weighted":
-            raise ConfigError(field, value, f"applies to mode weighted only, not {config.mode}")
+    if config.reduce != "device0" and config.mode != "weighted":
+        raise ConfigError(
+            "reduce", config.reduce, f"applies to mode weighted only, not {config.mode}"
+        )
+    if config.rebalance_every and config.mode not in ("weighted", "multiworker"):
+        raise ConfigError(
+            "rebalance_every",
+            config.rebalance_every,
+            f"applies to modes weighted and multiworker only, not {config.mode}",
+        )
     parse_slowdown(config.simulate_slowdown)  # the form; the devices are checked against the run's
     for p in () if config.powers == AUTO else config.powers:
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p <= 0:

@@ -11,6 +11,7 @@ from tfdp.errors import ConfigError
 
 AUTO = "auto"  # powers measured on the devices at start-up
 _DEVICE_RE = re.compile(r"^/?(?:device:)?(cpu|gpu)(?::(\d+))?$", re.IGNORECASE)
+_WORKER_RE = re.compile(r"^(chief|worker):\d+$")
 
 
 def split_batch(global_batch: int, powers: Sequence[float]) -> list[int]:
@@ -91,7 +92,8 @@ def even_split(global_batch: int, num_replicas: int) -> list[int]:
 
 
 def parse_slowdown(spec: str) -> dict[str, float]:
-    """'cpu:1=4,cpu:2=2' -> {'/device:CPU:1': 4.0, '/device:CPU:2': 2.0}.
+    """'cpu:1=4,cpu:2=2' -> {'/device:CPU:1': 4.0, '/device:CPU:2': 2.0}; 'worker:1=4'
+    (mode multiworker) -> {'worker:1': 4.0}.
 
     Raises:
         ConfigError: (field simulate_slowdown) on a malformed item, a device named
@@ -101,7 +103,8 @@ def parse_slowdown(spec: str) -> dict[str, float]:
     for item in filter(None, (part.strip() for part in spec.split(","))):
         device, _, factor = item.partition("=")
         try:
-            name = canonical_name(device)
+            # a worker of mode multiworker (worker:1, chief:0), else a device
+            name = device.strip() if _WORKER_RE.match(device.strip()) else canonical_name(device)
             value = float(factor)
         except (ConfigError, ValueError):
             raise ConfigError(

@@ -592,7 +592,7 @@ def train_loop(plan: Plan, trainer, stop: StopSignals, log: Callable[[str], None
             "shards": shards,
             "final_shards": list(trainer.shards),
             "powers": config.powers if config.powers == AUTO else list(config.powers) or None,
-            "reduce": config.reduce if trainer.balanced else None,
+            "reduce": config.reduce if config.mode == "weighted" else None,
             **split_info,
             "rebalances": rebalancing.resplits if rebalancing else [],
             "device_seconds": rebalancing.seconds() if rebalancing else None,

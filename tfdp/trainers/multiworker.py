@@ -5,12 +5,19 @@ on its CPU (MultiWorkerMirroredStrategy does not use logical CPUs), or one
 per local GPU. Per step:
   1. the global batch is split over the workers by `--powers` (or equally);
      each worker reads the same stream of global batches and keeps its own
-     slice, fed through `distribute_datasets_from_function`;
+     slice, fed through `distribute_datasets_from_function`; when the split
+     may change (`--rebalance_every`), the slice is cut inside the step from
+     the split of that step, so every worker cuts the same batch alike;
   2. each replica runs forward and backward on its shard, with the loss
      divided by the global batch;
   3. the optimizer sums the gradients with a collective all-reduce over all
      workers and applies one update (the compiled optimizer's) on every worker.
 So the update is the one `single` makes on the whole batch.
+
+Rebalancing (`--rebalance_every`): each worker times its own forward and
+backward pass (`steps.timed_replica_gradients`); the seconds ride with the
+loss in the step's all-reduce, so every worker holds every worker's time,
+runs the same `balance.Rebalancing` on it and sets the same new split.
 
 Before any collective of training, the workers agree (`agree`): on every
 setting that fixes the update and on the initial weights when the trainer is
@@ -41,7 +48,7 @@ from tfdp.cluster import (
     read_cluster,
     settings_to_agree,
 )
-from tfdp.devices import split_batch
+from tfdp.devices import AUTO, parse_slowdown, split_batch
 from tfdp.errors import ConfigError
 from tfdp.signals import SIGNALS
 from tfdp.trainers.base import Trainer
@@ -51,7 +58,6 @@ class MultiWorkerTrainer(Trainer):
     """This worker's part of synchronous training over the whole cluster."""
 
     unit = "worker(s)"
-    timed = False  # the split across workers is set once
 
     def __init__(self, strategy, cluster, spec, shards, config):
         """
@@ -80,6 +86,12 @@ class MultiWorkerTrainer(Trainer):
         # which of SIGNALS this worker caught, sent with the next step's loss (agree_to_stop)
         self.signals_caught = tf.Variable([0.0] * len(SIGNALS), trainable=False)
         self.signals_seen = tf.zeros(len(SIGNALS))
+        # --rebalance_every or a simulated slowdown: each step times this worker
+        slowdown = bool(config.simulate_slowdown)
+        self.timed = bool(config.rebalance_every) or slowdown
+        self.balanced = self.timed or config.powers == AUTO  # the split is saved with a checkpoint
+        self.shard_sizes = tf.Variable(self.shards, dtype=tf.int32, trainable=False)
+        self.delay = tf.Variable(0.0, dtype=tf.float64, trainable=False) if slowdown else None
         with strategy.scope():
             self.model = spec.make()
             self.model.set_weights(spec.weights)
@@ -101,6 +113,19 @@ class MultiWorkerTrainer(Trainer):
 
         shards, replicas, tf = self.shards, self.local_replicas, self.tf
         global_batch = self.global_batch_size
+        if self.timed:  # the whole batch; the step cuts this worker's slice (`_own_slice`)
+            self.worker_batch = None
+
+            def whole(*batch):
+                batch = batch if len(batch) > 1 else batch[0]
+                copy = tf.data.Dataset.from_tensors((batch, num_examples(batch)))
+                return copy.repeat(replicas)  # one copy per local replica
+
+            return iter(
+                self.strategy.distribute_datasets_from_function(
+                    lambda context: dataset.flat_map(whole)
+                )
+            )
 
         def worker_dataset(context):
             worker = context.input_pipeline_id
@@ -128,27 +153,56 @@ class MultiWorkerTrainer(Trainer):
 
     def _step(self, iterator):
         batch, examples = next(iterator)
-        loss, predictions = self.strategy.run(self._replica_step, args=(batch, examples))
-        # The loss and the stop signals travel in one all-reduce.
-        summed = self.strategy.reduce("SUM", loss, axis=None)
+        summed, predictions, shard = self.strategy.run(self._replica_step, args=(batch, examples))
+        # The loss, the stop signals and each worker's seconds travel in one all-reduce.
+        summed = self.strategy.reduce("SUM", summed, axis=None)
         local = self.strategy.experimental_local_results
+        signals = len(SIGNALS)
         return {
             "loss": summed[0],
-            "signals": summed[1:],
-            "batches": local(batch),
+            "signals": summed[1 : 1 + signals],
+            "device_seconds": summed[1 + signals :],
+            "batches": local(shard),
             "predictions": local(predictions),
         }
 
     def _replica_step(self, batch, examples):
-        from tfdp.steps import clip_before_all_reduce, replica_gradients
+        from tfdp.steps import clip_before_all_reduce, timed_replica_gradients
 
-        gradients, loss, predictions = replica_gradients(
-            self.model, self.objective, batch, examples, jit_compile=self.spec.jit_compile
+        tf = self.tf
+        if self.timed:
+            batch = self._own_slice(batch, examples)
+        gradients, loss, predictions, seconds = timed_replica_gradients(
+            self.model,
+            self.objective,
+            batch,
+            examples,
+            delay_per_example=self.delay,
+            timed=self.timed,
+            jit_compile=self.spec.jit_compile,
         )
         gradients = clip_before_all_reduce(self.optimizer, gradients)
         # Inside a replica, the optimizer all-reduces (sums) the gradients over all workers.
         self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
-        return self.tf.concat([[loss], self.signals_caught], 0), predictions
+        # this worker's seconds at its place (the mean over its local replicas)
+        own = tf.one_hot(self.index, len(self.workers), dtype=tf.float64) * seconds
+        own = own / self.local_replicas
+        sent = [[loss], tf.cast(self.signals_caught, loss.dtype), tf.cast(own, loss.dtype)]
+        return tf.concat(sent, 0), predictions, batch
+
+    def _own_slice(self, batch, examples):
+        """This replica's part of the whole global `batch`, by the split of this step:
+        the worker's slice (`steps.shard_sizes_for`), cut equally over its local replicas."""
+        from tfdp.steps import shard_sizes_for
+
+        tf = self.tf
+        sizes = shard_sizes_for(examples, self.global_batch_size, self.shard_sizes)
+        begin, size = tf.reduce_sum(sizes[: self.index]), sizes[self.index]
+        replicas = self.local_replicas
+        local = tf.distribute.get_replica_context().replica_id_in_sync_group % replicas
+        pieces = size // replicas + tf.cast(tf.range(replicas) < size % replicas, tf.int32)
+        begin += tf.reduce_sum(pieces[:local])
+        return tf.nest.map_structure(lambda t: t[begin : begin + pieces[local]], batch)
 
     def global_outputs(self, metrics) -> dict:
         """A step's `metrics` with every worker's slices of the batch and outputs joined
@@ -212,22 +266,15 @@ class MultiWorkerTrainer(Trainer):
             item = items[differing]
             raise disagreement(item, self.workers, self.exchange_text(item.text))
 
-    def measure_powers(self, batch, min_seconds: float = 0.5, min_steps: int = 5) -> dict:
-        """`--powers=auto`: each worker's examples/second; re-splits the global batch by them.
-
-        Every worker times forward and backward (no all-reduce) on `batch`, a
-        probe shard of global_batch / workers examples, after tracing and a
-        warm-up step, on a local model copy. The rates are exchanged with
-        `gather`, so every worker computes the same partition.
-        """
-        from tfdp.objective import num_examples
+    def seconds_alone(self, batch, min_seconds: float = 0.5, min_steps: int = 5) -> float:
+        """This worker's seconds for forward and backward (no all-reduce) on `batch`, on a
+        local model copy, after tracing and a warm-up step: at least `min_steps` calls
+        and `min_seconds`."""
         from tfdp.steps import replica_gradients
 
-        tf = self.tf
-        probe = int(num_examples(batch))
         model = self.spec.make()
         model.set_weights(self.spec.weights)
-        step = tf.function(
+        step = self.tf.function(
             lambda: replica_gradients(model, self.objective, batch, self.global_batch_size)[0][-1]
         )
         for _ in range(2):  # tracing, then a warm step
@@ -236,33 +283,70 @@ class MultiWorkerTrainer(Trainer):
         while steps < min_steps or time.perf_counter() - start < min_seconds:
             step().numpy()
             steps += 1
-        rate = probe * steps / (time.perf_counter() - start)
-        rates = self.gather(rate)
+        return (time.perf_counter() - start) / steps
+
+    def measure_powers(self, batch) -> dict:
+        """`--powers=auto`: each worker's examples/second; re-splits the global batch by them.
+
+        Every worker times itself (`seconds_alone`) on `batch`, a probe shard of
+        global_batch / workers examples. The rates are exchanged with `gather`,
+        so every worker computes the same partition.
+        """
+        from tfdp.objective import num_examples
+
+        rates = self.gather(int(num_examples(batch)) / self.seconds_alone(batch))
         powers = [round(r / max(rates), 4) for r in rates]
-        self.shards = split_batch(self.global_batch_size, powers)
+        self.set_shards(split_batch(self.global_batch_size, powers))
         return {"devices": self.workers, "images_per_second": rates, "powers": powers}
+
+    def calibrate_slowdown(self, batch, factors: dict) -> dict:
+        """`--simulate_slowdown=worker:I=F`: worker I alone becomes F times slower, by a
+        sleep per example after its backward pass. Each worker times itself; every
+        worker gets every worker's sleep, for the log. Returns the slowed workers'."""
+        from tfdp.objective import num_examples
+
+        factor = factors.get(self.workers[self.index], 1.0)
+        own = 0.0
+        if factor != 1:
+            own = (factor - 1) * self.seconds_alone(batch) / int(num_examples(batch))
+        self.delay.assign(own)
+        delays = self.gather(own)
+        return {
+            worker: {"factor": factors[worker], "sleep_seconds_per_example": delay}
+            for worker, delay in zip(self.workers, delays)
+            if worker in factors
+        }
 
     def set_up_split(self, config, train_data, log, measure=True):
         """The workers agree on the training data (the first place the trainer sees it);
-        `--powers=auto`: every worker measures itself and all get the same split."""
-        from tfdp.devices import AUTO
-
+        the simulated slowdown is calibrated; `--powers=auto`: every worker measures
+        itself and all get the same split."""
         self.agree([training_data(config, train_data)])
         info = {"simulated_slowdown": None, "auto_powers": None}
+        probe = data_lib.first_examples(
+            train_data, max(1, self.global_batch_size // len(self.workers))
+        )
+        factors = parse_slowdown(config.simulate_slowdown)
+        if factors:
+            slowed = self.calibrate_slowdown(probe, factors)
+            info["simulated_slowdown"] = slowed
+            log(
+                "SIMULATED SLOWDOWN (for testing; not this machine's speed): "
+                + ", ".join(
+                    f"{worker} {s['factor']:g}x slower alone "
+                    f"(sleeps {s['sleep_seconds_per_example'] * 1e3:.3f} ms per example)"
+                    for worker, s in slowed.items()
+                )
+            )
         if not measure or config.powers != AUTO:
             return info, None
-        probe = max(1, self.global_batch_size // len(self.workers))
-        auto = self.measure_powers(data_lib.first_examples(train_data, probe))
+        auto = self.measure_powers(probe)
         rates = ", ".join(
             f"{w} {r:.0f}" for w, r in zip(auto["devices"], auto["images_per_second"])
         )
         log(f"auto powers: measured images/sec {rates}; powers {auto['powers']}")
         info["auto_powers"] = auto
         return info, None
-
-    def rebalancing(self, every, log, probe=None):
-        """None: the split across workers is set once (the step is not timed)."""
-        return None
 
     def checkpointer(self, config):
         return WorkerCheckpointer(config, self)
