@@ -6,6 +6,7 @@ a kill is a real SIGKILL of a real training process.
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -143,20 +144,42 @@ def test_a_signal_saves_the_step_and_the_restart_is_exact(mode, signum, straight
     assert_same_run(straight, model_dir)
 
 
+def save_period(process, model_dir, saves=5, timeout=300):
+    """Seconds per save of a run saving at every step, timed over `saves` index updates
+    once it has saved at least once; the process must keep running meanwhile."""
+    deadline = time.monotonic() + timeout
+
+    def wait_past(step):
+        while (latest_step(model_dir) or 0) <= step:
+            assert process.poll() is None, f"ended before the kill: {process.communicate()}"
+            assert time.monotonic() < deadline, f"no checkpoint after iteration {step}"
+            time.sleep(0.005)
+        return latest_step(model_dir), time.monotonic()
+
+    first, began = wait_past(latest_step(model_dir) or 0)
+    last, ended = wait_past(first + saves - 1)
+    return (ended - began) / (last - first)
+
+
 def test_kills_during_checkpoint_writes(straight_run, tmp_path):
-    # Saving at every step, most of the time goes to writing checkpoints, so
-    # the kills land in the middle of saves.
+    """SIGKILLs at moments spread over a save: saving at every step, nearly all of a
+    step's time goes to writing its checkpoint, and kill k of K lands at a random
+    point of the k-th K-th of a save's duration after an index update."""
     args, straight = straight_run("weighted")
     model_dir = str(tmp_path)
     every_step = [*args, f"--model_dir={model_dir}", "--checkpoint_every=1"]
-    for delay in (0.13, 0.37, 0.71):
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    kills = 4
+    for k in range(kills):
         process = tfdp(*every_step, wait=False)
-        start_step = latest_step(model_dir) or 0
-        kill_when(process, lambda start=start_step: (latest_step(model_dir) or 0) > start)
-        time.sleep(delay)  # ...and then at an arbitrary moment
-        if process.poll() is None:
-            process.kill()
-        process.wait()
+        period = save_period(process, model_dir)
+        delay = period * (k + rng.random()) / kills
+        time.sleep(delay)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=60)
+        # Killed, not ended: it was still saving (1500 steps take far longer than this).
+        assert process.returncode == -signal.SIGKILL, (seed, process.communicate())
     finished = tfdp(*every_step)
     assert finished.returncode == 0, finished.stderr
     assert "resuming at iteration" in finished.stdout
