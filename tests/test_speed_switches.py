@@ -203,21 +203,6 @@ def test_the_flags_two_workers_make_the_update_of_single(
                 "<float32|mixed_bfloat16|mixed_float16>"
             ),
         ),
-        (
-            ["--precision=mixed_float16", "--model=examples/mnist_cnn.py:make_model"],
-            (
-                "--precision=mixed_float16: applies to the built-in models (lenet, toy), not "
-                "examples/mnist_cnn.py:make_model; build your model under a "
-                "keras.mixed_precision policy"
-            ),
-        ),
-        (
-            ["--jit_compile", "--model=examples/mnist_cnn.py:make_model"],
-            (
-                "--jit_compile: applies to the built-in models (lenet, toy), not "
-                "examples/mnist_cnn.py:make_model"
-            ),
-        ),
     ],
 )
 def test_refused_flags_are_one_line(args, line, tmp_path):
@@ -227,3 +212,87 @@ def test_refused_flags_are_one_line(args, line, tmp_path):
     lines = own_stderr_lines(process)
     assert len(lines) == 1 and lines[0].startswith("tfdp: error: " + line), lines
     assert not (tmp_path / "run").exists()
+
+
+USER_MODEL = """
+import keras
+
+
+def make():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((128,))
+    hidden = keras.layers.Dense(32, activation="relu")(inputs)
+    logits = keras.layers.Dense(10)(hidden)
+    outputs = keras.layers.Activation("linear", dtype="float32")(logits)  # float32 logits
+    model = keras.Model(inputs, outputs)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+"""
+
+
+def test_the_switches_build_a_users_model_and_every_mode_makes_the_single_update(tmp_path):
+    # A function that knows nothing of precision: tfdp builds it under the policy, and
+    # Keras' compile adds the loss scaling of float16.
+    (tmp_path / "user.py").write_text(USER_MODEL)
+    common = [
+        f"--model={tmp_path / 'user.py'}:make",
+        "--dataset=toy",
+        "--logical_cpus=2",
+        "--batch_size=100",
+        "--iterations=3",
+        "--progress=never",
+        "--precision=mixed_float16",
+        "--jit_compile",
+    ]
+    runs = {}
+    for name, mode in (
+        ("single", ["--mode=single"]),
+        ("weighted", ["--mode=weighted", "--powers=1,3"]),
+    ):
+        process = tfdp(*common, *mode, f"--model_dir={tmp_path / name}")
+        assert process.returncode == 0, process.stderr
+        runs[name] = keras.models.load_model(tmp_path / name / "model.keras")
+    single, weighted = runs["single"], runs["weighted"]
+    assert [layer.dtype_policy.name for layer in single.layers[1:]] == [
+        "mixed_float16",
+        "mixed_float16",
+        "float32",
+    ]
+    assert all(v.dtype == "float32" for v in single.weights)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import user
+    finally:
+        sys.path.remove(str(tmp_path))
+    initial = user.make().get_weights()
+    assert keras.config.dtype_policy().name == "float32"  # the import built it as written
+
+    from tfdp import fit
+    from tfdp.data import make_toy_data
+
+    toy = make_toy_data(0, num_examples=200)
+    fitted = fit(
+        user.make, (toy.images, toy.labels), batch_size=100, iterations=1, precision="mixed_float16"
+    )
+    assert isinstance(fitted.model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert fitted.model.layers[1].dtype_policy.name == "mixed_float16"
+    assert keras.config.dtype_policy().name == "float32"  # restored after building
+    for got, want, first in zip(weighted.get_weights(), single.get_weights(), initial, strict=True):
+        change = np.abs(want - first).max()
+        assert change > 1e-4
+        assert np.abs(got - want).max() <= SWITCHES["float16"][1] * change
+
+
+def test_precision_needs_a_function_not_a_model_object():
+    import tfdp
+    from tfdp.errors import ConfigError
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.zeros((8, 3), np.float32), np.zeros((8, 2), np.float32)
+    with pytest.raises(ConfigError, match="needs a function that builds the model") as info:
+        tfdp.fit(model, (x, y), precision="mixed_bfloat16", batch_size=4, iterations=1)
+    assert info.value.field == "precision"

@@ -114,23 +114,6 @@ def validate(config: Config) -> None:
     _choice(config, "precision", PRECISIONS)
     if not isinstance(config.jit_compile, bool):
         raise ConfigError("jit_compile", config.jit_compile, "must be True or False")
-    for field, value, default, instead in (
-        ("jit_compile", config.jit_compile, False, "leave it out"),
-        (
-            "precision",
-            config.precision,
-            "float32",
-            "build your model under a keras.mixed_precision policy (and a "
-            "LossScaleOptimizer for float16) instead",
-        ),
-    ):
-        if value != default and config.model not in MODELS:
-            raise ConfigError(
-                field,
-                value,
-                f"applies to the built-in models ({', '.join(MODELS)}), not {config.model}; "
-                + instead,
-            )
     for field in (
         "batch_size",
         "log_every",

@@ -169,9 +169,22 @@ class ModelSpec:
     jit_compile: bool = False
 
 
-def model_spec(model, samples: dict, field: str = "model", source=None) -> ModelSpec:
+def model_spec(
+    model,
+    samples: dict,
+    field: str = "model",
+    source=None,
+    precision: str = "float32",
+    jit_compile: bool = False,
+) -> ModelSpec:
     """The ModelSpec of `model`: a compiled Keras model, or a function of no arguments
     that returns one.
+
+    precision: the Keras dtype policy a function's models are built under
+    (`dtype_policy`); Keras' `compile` then wraps the optimizer of a
+    mixed_float16 model in a LossScaleOptimizer. A model object keeps the
+    dtypes it was built with, so it takes only float32 here.
+    jit_compile: XLA for each device's forward and backward pass.
 
     One copy is built on the host and checked against `samples` ({setting: a
     few examples}): its inputs, its labels and its compiled loss. A model
@@ -190,9 +203,16 @@ def model_spec(model, samples: dict, field: str = "model", source=None) -> Model
     label = source or getattr(model, "name", None) or repr(model)
     with tf.device("/device:CPU:0"):
         if isinstance(model, keras.Model):
+            if precision != "float32":
+                raise ConfigError(
+                    "precision",
+                    precision,
+                    "needs a function that builds the model, so that tfdp builds it under "
+                    "the policy; a model object keeps the dtypes it was built with",
+                )
             make, first = _copier(model, field), model
         elif callable(model):
-            make = functools.partial(_made_by, model, field, label)
+            make = functools.partial(_made_by, model, field, label, precision)
             first = make()
         else:
             raise ConfigError(
@@ -205,12 +225,15 @@ def model_spec(model, samples: dict, field: str = "model", source=None) -> Model
             else:
                 objective.check(first, batch, setting)
         weights = first.get_weights()
-    return ModelSpec(make, weights, objective, first.name, _has_batch_statistics(first))
+    return ModelSpec(
+        make, weights, objective, first.name, _has_batch_statistics(first), jit_compile
+    )
 
 
-def _made_by(function, field, label):
+def _made_by(function, field, label, precision="float32"):
     try:
-        model = function()
+        with dtype_policy(precision):
+            model = function()
     except Exception as error:  # the user's code: any error, reported on one line
         raise ConfigError(field, label, f"raised {type(error).__name__}: {error}") from None
     if not isinstance(model, keras.Model):

@@ -175,12 +175,13 @@ def model_spec_for(config: Config, samples: dict, model=None) -> ModelSpec:
     split, by the setting that gave them, checked against the model."""
     from tfdp import models
 
+    switches = {"precision": config.precision, "jit_compile": config.jit_compile}
     if model is not None:
-        return models.model_spec(model, samples)
+        return models.model_spec(model, samples, **switches)
     if config.model in MODELS:
         return models.built_in_spec(config, samples)
     function = sources.load_function(config.model, "model")
-    return models.model_spec(function, samples, field="model", source=config.model)
+    return models.model_spec(function, samples, field="model", source=config.model, **switches)
 
 
 def prepare(config: Config, model=None, train_data=None, validation_data=None) -> Plan:
@@ -669,6 +670,10 @@ def fit(
         `powers`, `batch_size`, `epochs` or `iterations`, `model_dir`,
         `rebalance_every`, ...). `learning_rate` and `init` apply to the
         built-in models only: a user's model brings its own optimizer and weights.
+        `precision` builds a model function's copies under that Keras dtype
+        policy (Keras' compile adds loss scaling for mixed_float16); a model
+        object keeps its dtypes. `jit_compile` compiles each device's forward
+        and backward pass with XLA.
       log: where the run's lines go.
 
     Returns:

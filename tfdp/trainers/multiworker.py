@@ -217,9 +217,16 @@ class MultiWorkerTrainer(Trainer):
     def _gather_slices(self, local):
         # One replica per worker on CPUs; with several local GPUs, the first local
         # replica carries the worker's slice and the others an empty one.
+        tf = self.tf
+
+        def gatherable(t):  # collectives have no kernel for half-precision floats
+            return tf.cast(t, tf.float32) if t.dtype in (tf.bfloat16, tf.float16) else t
+
         def value(context):
             first = context.replica_id_in_sync_group % self.local_replicas == 0
-            return self.tf.nest.map_structure(lambda t: t if first else t[:0], local)
+            return tf.nest.map_structure(
+                lambda t: gatherable(t) if first else gatherable(t)[:0], local
+            )
 
         per_replica = self.strategy.experimental_distribute_values_from_function(value)
         return self.tf.nest.map_structure(lambda v: self.strategy.gather(v, axis=0), per_replica)
