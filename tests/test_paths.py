@@ -19,7 +19,8 @@ from test_resume import latest_step, load_weights, result
 TOY = ["--model=toy", "--logical_cpus=2", "--batch_size=100", "--progress=never"]
 
 # Runs the tfdp command in this process with tfds mocked: N examples per split (tfds'
-# deterministic fake MNIST), then writes those same examples as IDX files to argv[1].
+# deterministic fake MNIST), then writes those examples, read by tfds itself, as IDX
+# files to argv[1].
 MOCKED_TFDS = """
 import socket, sys
 from unittest import mock
@@ -31,7 +32,6 @@ socket.socket.connect = refuse
 socket.create_connection = refuse
 import tensorflow_datasets as tfds
 from tfdp.cli import run
-from tfdp.data import load_mnist_tfds
 
 idx_dir, N, flags = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 # tfds' mock has no split sizes for MNIST; batch_size=-1 batches by their total.
@@ -45,10 +45,12 @@ with tfds.testing.mock_data(num_examples=N), mock.patch.object(
         status = stop.code
     import gzip, os
     for split, prefix in (("train", "train"), ("test", "t10k")):
-        arrays = load_mnist_tfds(split, "unused")
+        images, labels = tfds.as_numpy(
+            tfds.load("mnist", split=split, as_supervised=True, batch_size=-1)
+        )
         for kind, magic, array in (
-            ("images-idx3", 2051, arrays.images[..., 0]),
-            ("labels-idx1", 2049, arrays.labels),
+            ("images-idx3", 2051, images[..., 0]),
+            ("labels-idx1", 2049, labels),
         ):
             header = magic.to_bytes(4, "big") + b"".join(
                 d.to_bytes(4, "big") for d in array.shape
