@@ -204,3 +204,135 @@ def test_mixed_suite_smoke(tmp_path):
     assert dynamic["start_bound"] == pytest.approx(6 / (1 / even["vs_best_sweep"] + 5))
     assert "its first step runs at the shares of 'even split'" in process.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def run_bench(*flags):
+    import subprocess
+    import sys
+
+    process = subprocess.run(
+        [sys.executable, "-m", "tfdp.bench", *flags], capture_output=True, text=True, timeout=900
+    )
+    assert process.returncode == 0, process.stderr[-3000:]
+    return process
+
+
+def test_gpu_suite_smoke_on_stand_ins(tmp_path):
+    """Without a GPU, logical CPUs stand in: CPU:0 and CPU:1 for two GPUs, CPU:2 for the CPU."""
+    from tfdp.bench.table import count_gpus
+
+    if count_gpus():
+        pytest.skip("a GPU host runs the suite on its GPUs, not on stand-ins")
+    jsonl = tmp_path / "gpu.jsonl"
+    process = run_bench(
+        "--suite=gpu",
+        "--synthetic",
+        "--rounds=1",
+        "--iterations=2",
+        "--warmup=1",
+        "--batch_size=32",
+        f"--json={jsonl}",
+    )
+    assert (
+        "STAND-IN, no GPU here: logical CPUs CPU:0 for GPU:0, CPU:1 for GPU:1, "
+        in (process.stdout.splitlines()[0])
+    )
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    rows = {r["configuration"]: r for r in records if r.get("summary")}
+    assert list(rows) == [
+        "tfdp single",
+        "keras fit",
+        "tfdp mirrored x2",
+        "keras fit mirrored x2",
+        "tfdp weighted gpu+cpu auto",
+        "keras fit mirrored gpu+cpu",
+    ]
+    assert all(row["stand_in"] is True and row["suite"] == "gpu" for row in rows.values())
+    # the devices each row ran on, and the ones they stand for
+    ran_on = {name: row["device_list"] for name, row in rows.items()}
+    assert ran_on == {
+        "tfdp single": ["CPU:0"],
+        "keras fit": ["CPU:0"],
+        "tfdp mirrored x2": ["CPU:0", "CPU:1"],
+        "keras fit mirrored x2": ["CPU:0", "CPU:1"],
+        "tfdp weighted gpu+cpu auto": ["CPU:0", "CPU:2"],
+        "keras fit mirrored gpu+cpu": ["CPU:0", "CPU:2"],
+    }
+    assert rows["tfdp weighted gpu+cpu auto"]["stands_for"] == ["GPU:0", "CPU:0"]
+    assert rows["tfdp mirrored x2"]["stands_for"] == ["GPU:0", "GPU:1"]
+    assert "| tfdp weighted gpu+cpu auto | GPU:0, CPU:0 (as CPU:0, CPU:2) |" in process.stdout
+    # each tfdp row beside Keras fit on the same devices
+    assert {name: row["keras_same_devices"] for name, row in rows.items() if "tfdp" in name} == {
+        "tfdp single": "keras fit",
+        "tfdp mirrored x2": "keras fit mirrored x2",
+        "tfdp weighted gpu+cpu auto": "keras fit mirrored gpu+cpu",
+    }
+    measured = {r["name"]: r for r in records if not r.get("summary")}
+    assert all(r["stand_in"]["logical_cpus"] == 3 for r in measured.values())
+    # auto powers were measured (a probe ran) and split the 32 examples over both devices
+    auto = measured["tfdp weighted gpu+cpu auto"]
+    assert auto["probe_seconds"] > 0 and sum(auto["shards"]) == 32 and min(auto["shards"]) > 0
+    assert measured["tfdp single"]["probe_seconds"] == 0
+    # One round: every ratio follows from the raw seconds (2 iterations x 32 images).
+    rate = {name: 2 * 32 / r["seconds"] for name, r in measured.items() if name != "matmul peak"}
+    for name, row in rows.items():
+        assert row["images_per_second"] == pytest.approx(rate[name], rel=1e-9)
+        assert row["vs_tfdp_single"] == pytest.approx(rate[name] / rate["tfdp single"], rel=1e-9)
+        keras = row["keras_same_devices"]
+        assert row["vs_keras_same_devices"] == pytest.approx(rate[name] / rate[keras], rel=1e-9)
+    assert len({rate[name] for name in rate}) == len(rate)  # the ratios tell the rows apart
+
+
+def test_cluster_suite_smoke(tmp_path):
+    """2 workers with worker:1 slowed 4x: the even split keeps 32/32, rebalancing moves
+    examples off worker 1 before the clock starts; vs_even from the raw seconds."""
+    jsonl = tmp_path / "cluster.jsonl"
+    process = run_bench(
+        "--suite=cluster",
+        "--synthetic",
+        "--rounds=2",
+        "--iterations=3",
+        "--warmup=1",
+        "--settle=8",
+        "--batch_size=64",
+        f"--json={jsonl}",
+    )
+    assert "SIMULATED slowdown worker:1=4" in process.stdout.splitlines()[0]
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    rows = {r["configuration"]: r for r in records if r.get("summary")}
+    assert list(rows) == ["even split", "rebalanced (every 5)", "auto + rebalanced (every 5)"]
+    measured = [r for r in records if not r.get("summary")]
+    # interleaved, the order rotated: round 1 A B C, round 2 B C A
+    assert [(r["round"], r["name"]) for r in measured] == [
+        (1, "even split"),
+        (1, "rebalanced (every 5)"),
+        (1, "auto + rebalanced (every 5)"),
+        (2, "rebalanced (every 5)"),
+        (2, "auto + rebalanced (every 5)"),
+        (2, "even split"),
+    ]
+    for r in measured:
+        assert r["warmup_iterations"] == 9 and r["simulated_slowdown"]["worker:1"]["factor"] == 4
+    even = [r for r in measured if r["name"] == "even split"]
+    assert [r["timed_shards"] for r in even] == [[32, 32], [32, 32]]
+    assert all(r["resplits_before_timing"] == 0 for r in even)
+    for r in measured:
+        if r["name"] != "even split":  # worker 1 is slower: it holds fewer examples
+            assert r["resplits_before_timing"] >= 1 and r["timed_shards"][1] < 32
+    # vs_even: per round, images/s (3 iterations x 64 over seconds) against that round's even
+    rate = {(r["round"], r["name"]): 3 * 64 / r["seconds"] for r in measured}
+    for name, row in rows.items():
+        per_round = [rate[(k, name)] / rate[(k, "even split")] for k in (1, 2)]
+        assert row["vs_even_per_round"] == pytest.approx(per_round, rel=1e-9)
+        assert row["vs_even"] == pytest.approx((per_round[0] + per_round[1]) / 2, rel=1e-9)
+        rates = sorted(rate[(k, name)] for k in (1, 2))
+        assert row["images_per_second"] == pytest.approx((rates[0] + rates[1]) / 2, rel=1e-9)
+    assert rows["even split"]["vs_even"] == 1.0
+
+
+def test_multiworker_rows_per_thread_count():
+    specs = configurations([1], [], worker_counts=[2], worker_threads=[0, 1])
+    assert [(s.name, s.devices, s.intra_op_threads) for s in specs if s.mode == "multiworker"] == [
+        ("tfdp multiworker x2", 2, 0),
+        ("tfdp multiworker x2, 1 thread per kernel", 2, 1),
+    ]

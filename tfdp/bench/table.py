@@ -10,7 +10,10 @@ tutorial's run: LeNet, batch 1024, 50 iterations.
   tfdp-bench --mnist_dir=../shared/data/mnist --json=bench.jsonl --plot=bench.png
 
 `--suite=mixed` measures the ways of splitting a batch over devices of
-unequal speed instead (tfdp/bench/mixed.py).
+unequal speed instead (tfdp/bench/mixed.py); `--suite=gpu` single GPU,
+mirrored over all GPUs and a GPU with the CPU (tfdp/bench/gpu.py);
+`--suite=cluster` 2 workers, one slowed, split evenly against rebalanced
+(tfdp/bench/cluster.py).
 """
 
 from __future__ import annotations
@@ -70,10 +73,27 @@ flags.DEFINE_string("plot", None, "Draw images/s against device count per mode (
 flags.DEFINE_enum(
     "suite",
     "scaling",
-    ["scaling", "mixed", "switches"],
+    ["scaling", "mixed", "switches", "gpu", "cluster"],
     "scaling: the tutorial's table over device counts; mixed: splits over unequal devices; "
     "switches: --jit_compile and each --precision against the plain step, at each of "
-    "--device_counts (single at 1, mirrored above).",
+    "--device_counts (single at 1, mirrored above); gpu: one GPU, all GPUs, GPU+CPU, each "
+    "beside Keras fit (logical CPUs stand in without a GPU); cluster: 2 workers, "
+    "--cluster_slowdown, even split against rebalancing.",
+)
+flags.DEFINE_list(
+    "worker_threads",
+    ["0"],
+    "multiworker rows: threads per kernel in each worker (0: TensorFlow's default, as the "
+    "tfdp command runs a worker), one row per value.",
+)
+flags.DEFINE_string(
+    "cluster_slowdown", "worker:1=4", "cluster: the simulated slowdown (--simulate_slowdown)."
+)
+flags.DEFINE_integer(
+    "settle",
+    20,
+    "cluster: untimed iterations after --warmup, rebalancing as in training, so that the "
+    "timed iterations run at the split rebalancing settled on.",
 )
 flags.DEFINE_list("mixed_devices", ["cpu:0", "cpu:1"], "mixed: the two devices.")
 flags.DEFINE_string(
@@ -100,9 +120,16 @@ class Spec:
     onednn: str = "tfdp"
     jit_compile: bool = False  # tfdp's --jit_compile
     precision: str = "float32"  # tfdp's --precision
+    # the devices by name (suite gpu), e.g. ("GPU:0", "CPU:0"); (): `devices` of the job's kind
+    device_list: tuple[str, ...] = ()
+    rebalance_every: int = 0  # tfdp's --rebalance_every
+    slowdown: str = ""  # tfdp's --simulate_slowdown
+    intra_op_threads: int = 0  # multiworker: each worker's --intra_op_threads (0: TF's default)
 
 
-def configurations(counts, uneven_powers, worker_counts=(), keras_onednn=()) -> list[Spec]:
+def configurations(
+    counts, uneven_powers, worker_counts=(), keras_onednn=(), worker_threads=(0,)
+) -> list[Spec]:
     specs = [Spec("matmul peak", "matmul", "matmul", 1)]
     for n in counts:
         keras_name = "keras fit" if n == 1 else f"keras fit mirrored x{n}"
@@ -119,7 +146,11 @@ def configurations(counts, uneven_powers, worker_counts=(), keras_onednn=()) -> 
     if 2 in counts and uneven_powers:
         label = ":".join(f"{p:g}" for p in uneven_powers)
         specs.append(Spec(f"tfdp weighted {label}", "tfdp", "weighted", 2, tuple(uneven_powers)))
-    specs += [Spec(f"tfdp multiworker x{n}", "tfdp", "multiworker", n) for n in worker_counts]
+    for n in worker_counts:
+        for threads in worker_threads:
+            threads_text = f", {threads} thread{'s' if threads > 1 else ''} per kernel"
+            name = f"tfdp multiworker x{n}" + (threads_text if threads else "")
+            specs.append(Spec(name, "tfdp", "multiworker", n, intra_op_threads=threads))
     return specs
 
 
@@ -172,13 +203,29 @@ def measure_matmul(n: int = 2048, repeats: int = 10) -> dict:
     return {"flops_per_second": 2 * n**3 / best}
 
 
+def spec_devices(spec: Spec, job: dict) -> list[str]:
+    """The devices a measurement runs on: the spec's by name (on a machine without GPUs,
+    the logical CPUs that stand in for them: `gpu.stand_in`), else `spec.devices` of the
+    job's kind."""
+    if not spec.device_list:
+        return device_names(job["kind"], spec.devices)
+    import tfdp
+    from tfdp.devices import canonical_name
+
+    stand_in = job.get("stand_in")
+    if stand_in:
+        tfdp.configure_logical_devices(logical_cpus=stand_in["logical_cpus"])
+        return [canonical_name(stand_in["devices"][name]) for name in spec.device_list]
+    return [canonical_name(name) for name in spec.device_list]
+
+
 def measure_tfdp(spec: Spec, job: dict) -> dict:
     from tfdp import Config
-    from tfdp.devices import default_intra_op_threads, set_intra_op_threads, short_name
+    from tfdp.devices import AUTO, default_intra_op_threads, set_intra_op_threads, short_name
     from tfdp.trainers import build_trainer
     from tfdp.training import partition
 
-    devices = device_names(job["kind"], spec.devices)
+    devices = spec_devices(spec, job)
     config = Config(
         mode=spec.mode,
         model=job.get("model", "lenet"),  # the threads per kernel depend on it
@@ -193,7 +240,17 @@ def measure_tfdp(spec: Spec, job: dict) -> dict:
     shards = partition(config, devices)
     arrays = load_arrays(job["synthetic"], job["mnist_dir"])
     trainer = build_trainer(config, devices, shards, model_spec_of(job, arrays))
-    return {**time_tutorial_run(trainer, config, arrays, job), "chains": trainer.chains}
+    probe_seconds = 0.0
+    if spec.powers == AUTO:  # each device alone, then all at once, as `tfdp` does first
+        start = time.perf_counter()
+        trainer.set_up_split(config, arrays, log=lambda line: None)
+        probe_seconds = time.perf_counter() - start
+    return {
+        **time_tutorial_run(trainer, config, arrays, job),
+        "chains": trainer.chains,
+        "device_list": [short_name(d) for d in devices],
+        "probe_seconds": probe_seconds,
+    }
 
 
 def model_spec_of(job: dict, arrays):
@@ -208,9 +265,14 @@ def model_spec_of(job: dict, arrays):
 
 
 def measure_multiworker(spec: Spec, job: dict) -> dict:
-    """This worker's timing of the cluster's run; TF_CONFIG names the cluster."""
+    """This worker's timing of the cluster's run; TF_CONFIG names the cluster.
+
+    A slowdown or rebalancing is set up as `training.run` sets it up (the
+    trainer's `set_up_split` and `rebalancing`), and the bench drives the
+    rebalancing per step as its loop does."""
     from tfdp import Config
     from tfdp.cluster import join_cluster, read_cluster
+    from tfdp.devices import parse_slowdown, reserve_sleeping_threads, set_intra_op_threads
     from tfdp.trainers import build_trainer
     from tfdp.training import partition
 
@@ -219,35 +281,67 @@ def measure_multiworker(spec: Spec, job: dict) -> dict:
         model=job.get("model", "lenet"),
         powers=spec.powers,
         batch_size=job["batch_size"],
+        rebalance_every=spec.rebalance_every,
+        simulate_slowdown=spec.slowdown,
     )
     workers = list(read_cluster().workers)
     shards = partition(config, workers)
+    # as the tfdp command sets them, before TensorFlow starts
+    reserve_sleeping_threads(len(parse_slowdown(config.simulate_slowdown)))
+    set_intra_op_threads(spec.intra_op_threads)
     join_cluster(config)  # before any other TensorFlow op
     arrays = load_arrays(job["synthetic"], job["mnist_dir"])
-    spec = model_spec_of(job, arrays)
-    return time_tutorial_run(build_trainer(config, workers, shards, spec), config, arrays, job)
+    model = model_spec_of(job, arrays)
+    trainer = build_trainer(config, workers, shards, model)
+    start = time.perf_counter()
+    info, probe = trainer.set_up_split(config, arrays, log=lambda line: None)
+    probe_seconds = time.perf_counter() - start
+    rebalancing = trainer.rebalancing(config.rebalance_every, lambda line: None, probe)
+    return {
+        **time_tutorial_run(trainer, config, arrays, job, rebalancing),
+        "probe_seconds": probe_seconds,
+        "simulated_slowdown": info["simulated_slowdown"],
+        "auto_powers": info["auto_powers"],
+        "intra_op_threads_asked": spec.intra_op_threads,
+    }
 
 
-def time_tutorial_run(trainer, config, arrays, job: dict) -> dict:
-    """Warms up, resets the weights and the input, then times the tutorial's run."""
+def time_tutorial_run(trainer, config, arrays, job: dict, rebalancing=None) -> dict:
+    """Warms up, resets the weights and the input, then times the tutorial's run.
+
+    With `rebalancing`, every step but the first of the warm-up is observed, as
+    `training.run` observes them, and the warm-up lasts `job["settle"]` more
+    iterations: the clock starts at the split rebalancing settled on, and
+    rebalancing goes on during the timed run.
+    """
     from tfdp.data import train_dataset
     from tfdp.training import step_metrics
 
-    shards = trainer.shards
+    shards = list(trainer.shards)
     initial = trainer.get_weights()
+    observed = 0  # steps handed to the rebalancing, counted as the loop counts iterations
 
     def tutorial_run(iterations):
+        nonlocal observed
         iterator = trainer.distribute(train_dataset(arrays, config.batch_size, config.seed))
         log = {}
         for i in range(iterations):
             metrics = trainer.train_step(iterator)
             if i % 10 == 0:
                 log[i] = metrics  # read after the clock stops
+            if rebalancing and (observed or i):  # the first step has first-run costs
+                rebalancing.observe(observed, metrics["device_seconds"])
+                observed += 1
         float(metrics["loss"])  # wait for the last step
         return log, time.perf_counter()  # the steps are done; the iterator is not yet deleted
 
-    tutorial_run(job["warmup"])
+    settle = job.get("settle", 0) if rebalancing else 0
+    start = time.perf_counter()
+    tutorial_run(job["warmup"] + settle)
+    warmup_seconds = time.perf_counter() - start
     trainer.set_weights(initial)
+    timed_shards = list(trainer.shards)
+    resplits_before = len(rebalancing.resplits) if rebalancing else 0
     accounting = CpuAccounting()
     start = time.perf_counter()
     log, steps_done = tutorial_run(job["iterations"])
@@ -257,6 +351,12 @@ def time_tutorial_run(trainer, config, arrays, job: dict) -> dict:
         "seconds": seconds,
         **steps_only(steps_done - start, job),
         "shards": shards,
+        "timed_shards": timed_shards,
+        "final_shards": list(trainer.shards),
+        "warmup_iterations": job["warmup"] + settle,
+        "warmup_seconds": warmup_seconds,
+        "resplits_before_timing": resplits_before,
+        "resplits_timed": (len(rebalancing.resplits) - resplits_before) if rebalancing else 0,
         "accuracy_at_40": accuracy.get(40),
         **accounting.stop(),
     }
@@ -267,11 +367,12 @@ def measure_keras(spec: Spec, job: dict) -> dict:
     import tensorflow as tf
 
     from tfdp.data import train_dataset
+    from tfdp.devices import short_name
     from tfdp.models import build_model, initial_weights
 
-    devices = device_names(job["kind"], spec.devices)
+    devices = spec_devices(spec, job)
     # What a Keras user would write: fit, with MirroredStrategy's own defaults.
-    strategy = tf.distribute.MirroredStrategy(devices) if spec.devices > 1 else None
+    strategy = tf.distribute.MirroredStrategy(devices) if len(devices) > 1 else None
     arrays = load_arrays(job["synthetic"], job["mnist_dir"])
     own = model_spec_of(job, arrays)
     initial = own.weights if own else initial_weights("lenet")
@@ -312,6 +413,7 @@ def measure_keras(spec: Spec, job: dict) -> dict:
         "seconds": seconds,
         **steps_only(running["last step done"] - start, job),
         "accuracy_at_40": accuracy_40,
+        "device_list": [short_name(d) for d in devices],
         **accounting.stop(),
     }
 
@@ -336,7 +438,14 @@ def run_worker(job: dict) -> dict:
         if job.get("calibrate"):
             return bench_mixed.calibrate(job)
         return {"results": bench_mixed.measure_round(job)}
-    spec = Spec(**{**job["spec"], "powers": tuple(job["spec"]["powers"])})
+    fields = job["spec"]
+    spec = Spec(
+        **{
+            **fields,
+            "powers": fields["powers"] if fields["powers"] == "auto" else tuple(fields["powers"]),
+            "device_list": tuple(fields["device_list"]),
+        }
+    )
     if spec.system == "matmul":
         return {**measure_matmul(), "onednn": onednn.enabled()}
     if spec.mode == "multiworker":
@@ -395,10 +504,14 @@ def measure_in_cluster(spec: Spec, command: list[str]) -> dict:
     return json.loads(outputs[0][0].strip().splitlines()[-1])
 
 
-def detect_kind() -> str:
+def count_gpus() -> int:
     import tensorflow as tf
 
-    return "gpu" if tf.config.list_physical_devices("GPU") else "cpu"
+    return len(tf.config.list_physical_devices("GPU"))
+
+
+def detect_kind() -> str:
+    return "gpu" if count_gpus() else "cpu"
 
 
 def summarize(specs, measurements, batch_size, iterations, model="lenet") -> list[dict]:
@@ -409,9 +522,16 @@ def summarize(specs, measurements, batch_size, iterations, model="lenet") -> lis
         for name, runs in measurements.items()
         if name != "matmul peak"
     }
-    keras_at = {s.devices: s.name for s in specs if s.system == "keras" and s.onednn != "tfdp"}
+    # Keras fit on the same devices: by count, or (suite gpu) by name
+    keras_at = {
+        (s.devices, s.device_list): s.name
+        for s in specs
+        if s.system == "keras" and s.onednn != "tfdp"
+    }
     keras_onednn_at = {
-        s.devices: s.name for s in specs if s.system == "keras" and s.onednn == "tfdp"
+        (s.devices, s.device_list): s.name
+        for s in specs
+        if s.system == "keras" and s.onednn == "tfdp"
     }
     rows = []
     for spec in specs:
@@ -421,9 +541,10 @@ def summarize(specs, measurements, batch_size, iterations, model="lenet") -> lis
         rates = [m["images_per_second"] for m in runs]
         accuracy = [m["accuracy_at_40"] for m in runs if m.get("accuracy_at_40") is not None]
         # Keras fit runs in one process; multiworker rows have no Keras counterpart here.
-        keras_name = keras_at.get(spec.devices) if spec.mode != "multiworker" else None
+        same_devices = (spec.devices, spec.device_list)
+        keras_name = keras_at.get(same_devices) if spec.mode != "multiworker" else None
         keras_onednn_name = (
-            keras_onednn_at.get(spec.devices) if spec.mode != "multiworker" else None
+            keras_onednn_at.get(same_devices) if spec.mode != "multiworker" else None
         )
         steal = [m["steal_fraction"] for m in runs if "steal_fraction" in m]
         rows.append(
@@ -432,7 +553,9 @@ def summarize(specs, measurements, batch_size, iterations, model="lenet") -> lis
                 "system": spec.system,
                 "mode": spec.mode,
                 "devices": spec.devices,
-                "powers": list(spec.powers) or None,
+                "device_list": runs[0].get("device_list"),  # the devices it ran on
+                "stands_for": list(spec.device_list) or None,  # suite gpu: the devices named
+                "powers": spec.powers if spec.powers == "auto" else list(spec.powers) or None,
                 "images_per_second": median[spec.name],
                 "images_per_second_min": min(rates),
                 "images_per_second_max": max(rates),
@@ -447,6 +570,7 @@ def summarize(specs, measurements, batch_size, iterations, model="lenet") -> lis
                 "vs_keras_same_devices": median[spec.name] / median[keras_name]
                 if keras_name in median
                 else None,
+                "keras_same_devices": keras_name,
                 "vs_keras_onednn_same_devices": median[spec.name] / median[keras_onednn_name]
                 if keras_onednn_name in median
                 else None,
@@ -476,8 +600,13 @@ def format_table(rows, iterations) -> str:
     )
     lines = [header, "|" + " --- |" * 10]
     for r in rows:
+        devices = r["devices"]
+        if r.get("stands_for"):  # suite gpu: by name, with their stand-ins
+            devices = ", ".join(r["stands_for"])
+            if r["device_list"] != r["stands_for"]:
+                devices += f" (as {', '.join(r['device_list'])})"
         lines.append(
-            f"| {r['configuration']} | {r['devices']} | {r['images_per_second']:.0f} "
+            f"| {r['configuration']} | {devices} | {r['images_per_second']:.0f} "
             f"({r['images_per_second_min']:.0f}-{r['images_per_second_max']:.0f}) "
             f"| {r['seconds']:.2f} | {num(r['vs_tfdp_single'], '.2f')} "
             f"| {num(r['vs_keras_same_devices'], '.2f')} "
@@ -496,7 +625,9 @@ def draw(rows, path: str, title: str) -> None:
     figure, axes = plt.subplots(figsize=(7, 4.5))
     series = {}
     for r in rows:
-        if r["mode"] == "weighted" and r["powers"] and len(set(r["powers"])) > 1:
+        if r["powers"] == "auto":
+            label = f"tfdp {r['mode']} auto"
+        elif r["mode"] == "weighted" and r["powers"] and len(set(r["powers"])) > 1:
             label = f"tfdp weighted {':'.join(f'{p:g}' for p in r['powers'])}"
         elif r["mode"] in ("single", "mirrored"):
             label = "tfdp mirrored (1 = single)"
@@ -624,20 +755,8 @@ def main(argv) -> None:
         run_mixed(mnist_dir)
         return
     counts = [int(c) for c in FLAGS.device_counts]
-    kind = detect_kind() if FLAGS.devices == "auto" else FLAGS.devices
-    if FLAGS.suite == "switches":
-        specs = switch_configurations(counts)
-    else:
-        specs = configurations(
-            counts,
-            [float(p) for p in FLAGS.uneven_powers],
-            [int(n) for n in FLAGS.workers],
-            [int(n) for n in FLAGS.keras_onednn],
-        )
-    if FLAGS.only:
-        specs = [s for s in specs if s.name in FLAGS.only or s.system == "matmul"]
     job = {
-        "kind": kind,
+        "kind": None,
         "batch_size": FLAGS.batch_size,
         "iterations": FLAGS.iterations,
         "warmup": FLAGS.warmup,
@@ -645,6 +764,35 @@ def main(argv) -> None:
         "mnist_dir": mnist_dir,
         "model": FLAGS.model,
     }
+    if FLAGS.suite == "cluster":
+        from tfdp.bench import cluster as bench_cluster
+
+        job["settle"] = FLAGS.settle
+        bench_cluster.run(job, FLAGS.rounds, FLAGS.cluster_slowdown, FLAGS.json)
+        return
+    if FLAGS.suite == "gpu":
+        from tfdp.bench import gpu as bench_gpu
+
+        gpus = count_gpus()
+        job["kind"] = "gpu" if gpus else "cpu"
+        job["stand_in"] = None if gpus else bench_gpu.stand_in()
+        specs = bench_gpu.gpu_configurations(gpus or bench_gpu.STAND_IN_GPUS)
+        where = bench_gpu.header(job, gpus)
+    else:
+        job["kind"] = detect_kind() if FLAGS.devices == "auto" else FLAGS.devices
+        where = f"{job['kind'].upper()} devices"
+    if FLAGS.suite == "switches":
+        specs = switch_configurations(counts)
+    elif FLAGS.suite == "scaling":
+        specs = configurations(
+            counts,
+            [float(p) for p in FLAGS.uneven_powers],
+            [int(n) for n in FLAGS.workers],
+            [int(n) for n in FLAGS.keras_onednn],
+            [int(n) for n in FLAGS.worker_threads],
+        )
+    if FLAGS.only:
+        specs = [s for s in specs if s.name in FLAGS.only or s.system == "matmul"]
     data = (
         "synthetic images" if FLAGS.synthetic else f"MNIST ({mnist_dir or 'tensorflow-datasets'})"
     )
@@ -657,8 +805,7 @@ def main(argv) -> None:
     )
     print(
         f"{name} on {data}, batch {FLAGS.batch_size}, {FLAGS.iterations} timed iterations after "
-        f"{FLAGS.warmup} warm-up; {FLAGS.rounds} interleaved rounds on {kind.upper()} devices"
-        + flops,
+        f"{FLAGS.warmup} warm-up; {FLAGS.rounds} interleaved rounds on {where}" + flops,
         flush=True,
     )
     measurements = {spec.name: [] for spec in specs}
@@ -681,10 +828,13 @@ def main(argv) -> None:
     print(format_table(rows, FLAGS.iterations))
     if out:
         for row in rows:
-            out.write(json.dumps({"summary": True, **row}) + "\n")
+            record = {"summary": True, "suite": FLAGS.suite, **row}
+            if FLAGS.suite == "gpu":
+                record["stand_in"] = job["stand_in"] is not None
+            out.write(json.dumps(record) + "\n")
         out.close()
     if FLAGS.plot:
-        draw(rows, FLAGS.plot, f"{name}, batch {FLAGS.batch_size}, {kind.upper()} devices")
+        draw(rows, FLAGS.plot, f"{name}, batch {FLAGS.batch_size}, {where}")
         print(f"chart: {FLAGS.plot}")
 
 
