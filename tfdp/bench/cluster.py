@@ -20,8 +20,15 @@ steady rate of each split; the few iterations rebalancing takes to settle
 (windows of 1, 1, 2, 4, then 5 steps) are a one-off cost of a run, recorded
 as `warmup_seconds` but not in the rate.
 
+The rate is the steps' (`images_per_second_steps`: the timed iterations over
+the time until the last of them was done). A run's whole time also covers
+deleting its input iterator, which `distribute_datasets_from_function`'s
+iterators in a cluster can hold up for seconds, once per run and in some
+runs only (BUILD_NOTES, "tf.data autotuning: off"); that is not the speed of
+a split. `vs_even_whole_run` keeps the ratio with it.
+
 Rounds are interleaved (the order rotated from round to round), and `vs_even`
-is the median over rounds of each round's images/s against that round's even
+is the median over rounds of each round's rate against that round's even
 split.
 """
 
@@ -72,8 +79,8 @@ def summarize(specs, measurements) -> list[dict]:
     rows = []
     for spec in specs:
         runs = measurements[spec.name]
-        rates = [m["images_per_second"] for m in runs]
-        per_round = ratios(spec.name, "images_per_second")
+        rates = [m["images_per_second_steps"] for m in runs]
+        per_round = ratios(spec.name, "images_per_second_steps")
         rows.append(
             {
                 "configuration": spec.name,
@@ -83,12 +90,13 @@ def summarize(specs, measurements) -> list[dict]:
                 "slowdown": spec.slowdown,
                 "timed_shards": [m["timed_shards"] for m in runs],
                 "final_shards": [m["final_shards"] for m in runs],
-                "images_per_second": statistics.median(rates),
-                "images_per_second_min": min(rates),
-                "images_per_second_max": max(rates),
+                "images_per_second_steps": statistics.median(rates),
+                "images_per_second_steps_min": min(rates),
+                "images_per_second_steps_max": max(rates),
                 "vs_even": statistics.median(per_round),
                 "vs_even_per_round": per_round,
-                "vs_even_steps": statistics.median(ratios(spec.name, "images_per_second_steps")),
+                "vs_even_whole_run": statistics.median(ratios(spec.name, "images_per_second")),
+                "device_seconds": [m["device_seconds"] for m in runs],
                 "rounds": len(runs),
             }
         )
@@ -97,15 +105,15 @@ def summarize(specs, measurements) -> list[dict]:
 
 def format_table(rows) -> str:
     header = (
-        "| configuration | shares timed (per round) | images/s (min-max) "
+        "| configuration | shares timed (per round) | images/s of the steps (min-max) "
         "| vs even split (per round) |"
     )
     lines = [header, "|" + " --- |" * 4]
     for r in rows:
         lines.append(
             f"| {r['configuration']} | {', '.join(str(s) for s in r['timed_shards'])} "
-            f"| {r['images_per_second']:.0f} "
-            f"({r['images_per_second_min']:.0f}-{r['images_per_second_max']:.0f}) "
+            f"| {r['images_per_second_steps']:.0f} "
+            f"({r['images_per_second_steps_min']:.0f}-{r['images_per_second_steps_max']:.0f}) "
             f"| {r['vs_even']:.2f} ({', '.join(f'{x:.2f}' for x in r['vs_even_per_round'])}) |"
         )
     return "\n".join(lines)
@@ -130,8 +138,10 @@ def run(job: dict, rounds: int, slowdown: str, json_path: str | None) -> list[di
             measured = measure_in_subprocess(spec, job)
             measurements[spec.name].append(measured)
             print(
-                f"round {round_index + 1}: {spec.name}: {measured['images_per_second']:.0f} "
-                f"images/s at shares {measured['timed_shards']}",
+                f"round {round_index + 1}: {spec.name}: "
+                f"{measured['images_per_second_steps']:.0f} images/s (steps), "
+                f"{measured['images_per_second']:.0f} (whole run) at shares "
+                f"{measured['timed_shards']}, device seconds {measured['device_seconds']}",
                 flush=True,
             )
             round_fields = {"round": round_index + 1, "suite": "cluster"}

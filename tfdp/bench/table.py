@@ -148,7 +148,7 @@ def configurations(
         specs.append(Spec(f"tfdp weighted {label}", "tfdp", "weighted", 2, tuple(uneven_powers)))
     for n in worker_counts:
         for threads in worker_threads:
-            threads_text = f", {threads} thread{'s' if threads > 1 else ''} per kernel"
+            threads_text = f" ({threads} thread{'s' if threads > 1 else ''} per kernel)"
             name = f"tfdp multiworker x{n}" + (threads_text if threads else "")
             specs.append(Spec(name, "tfdp", "multiworker", n, intra_op_threads=threads))
     return specs
@@ -303,6 +303,8 @@ def measure_multiworker(spec: Spec, job: dict) -> dict:
         "simulated_slowdown": info["simulated_slowdown"],
         "auto_powers": info["auto_powers"],
         "intra_op_threads_asked": spec.intra_op_threads,
+        # each worker's median seconds per step over the last window (sleep included)
+        "device_seconds": rebalancing.seconds() if rebalancing else None,
     }
 
 
