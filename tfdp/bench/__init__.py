@@ -2,6 +2,10 @@
 
     tfdp-bench                    table.py: the tutorial's timing table against Keras fit
     tfdp-bench --suite=mixed      mixed.py: splits over unequal devices
+    tfdp-bench --suite=gpu        gpu.py: single GPU, all GPUs, GPU+CPU, each beside Keras fit
+                                  (logical CPUs stand in where there is no GPU)
+    tfdp-bench --suite=cluster    cluster.py: 2 workers, one slowed: even split vs rebalanced
+    tfdp-bench --suite=switches   table.py: the step with --jit_compile and each --precision
     python -m tfdp.bench.steps    steps.py: variants of one training step, timed and profiled
     flops.py                      LeNet's FLOPs per image, as the table counts them
 

@@ -279,11 +279,15 @@ class MultiWorkerTrainer(Trainer):
         and `min_seconds`."""
         from tfdp.steps import replica_gradients
 
+        tf = self.tf
         model = self.spec.make()
         model.set_weights(self.spec.weights)
-        step = self.tf.function(
-            lambda: replica_gradients(model, self.objective, batch, self.global_batch_size)[0][-1]
-        )
+
+        def gradients():  # a value that needs every gradient, so none is pruned away
+            grads = replica_gradients(model, self.objective, batch, self.global_batch_size)[0]
+            return tf.add_n([tf.reduce_sum(g) for g in grads])
+
+        step = tf.function(gradients)
         for _ in range(2):  # tracing, then a warm step
             step().numpy()
         steps, start = 0, time.perf_counter()
