@@ -40,9 +40,8 @@ def reference_weights(steps, channels_first, mnist_dir):
     if key not in _reference:
         import tensorflow as tf
 
-        from tfdp.bench.steps import channels_first_lenet
         from tfdp.data import load_mnist, train_dataset
-        from tfdp.models import build_model, initial_weights
+        from tfdp.models import build_model, channels_first_lenet, initial_weights
 
         model = build_model("lenet")
         model.set_weights(initial_weights("lenet"))

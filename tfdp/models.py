@@ -49,6 +49,21 @@ def lenet(init: str = "tutorial", seed: int = 0, num_classes: int = 10) -> keras
     )
 
 
+def channels_first_lenet(model):
+    """A copy of `model` (LeNet) that keeps its feature maps as NCHW."""
+    copy = keras.Sequential(
+        [keras.Input((28, 28, 1)), keras.layers.Permute((3, 1, 2))]
+        + [
+            layer.__class__.from_config({**layer.get_config(), "data_format": "channels_first"})
+            if "data_format" in layer.get_config()
+            else layer.__class__.from_config(layer.get_config())
+            for layer in model.layers
+        ]
+    )
+    copy.set_weights(model.get_weights())  # same shapes; only the flattening order differs
+    return copy
+
+
 def pool_first_lenet(model):
     """A copy of `model` (LeNet) with each convolution's tanh after its max-pooling.
 

@@ -71,7 +71,13 @@ def main(argv) -> None:
 
     from tfdp.data import load_mnist, train_dataset
     from tfdp.config import Config
-    from tfdp.models import build_model, built_in_spec, initial_weights, pool_first_lenet
+    from tfdp.models import (
+        build_model,
+        built_in_spec,
+        channels_first_lenet,
+        initial_weights,
+        pool_first_lenet,
+    )
     from tfdp.steps import micro_batch_gradients, replica_gradients, timed_replica_gradients
 
     variant, batch = FLAGS.variant, 1024
@@ -164,23 +170,6 @@ def main(argv) -> None:
         result["kernel_ms_per_step"] = {k: round(1000 * s / FLAGS.iterations, 2) for k, s in top}
         result["if_only_arithmetic"] = arithmetic_bound(totals, seconds / FLAGS.iterations)
     print(json.dumps(result))
-
-
-def channels_first_lenet(model):
-    """A copy of `model` (LeNet) that keeps its feature maps as NCHW."""
-    import keras
-
-    copy = keras.Sequential(
-        [keras.Input((28, 28, 1)), keras.layers.Permute((3, 1, 2))]
-        + [
-            layer.__class__.from_config({**layer.get_config(), "data_format": "channels_first"})
-            if "data_format" in layer.get_config()
-            else layer.__class__.from_config(layer.get_config())
-            for layer in model.layers
-        ]
-    )
-    copy.set_weights(model.get_weights())  # same shapes; only the flattening order differs
-    return copy
 
 
 @contextlib.contextmanager
