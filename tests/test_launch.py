@@ -9,10 +9,12 @@ has a bound that fails loudly.
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -314,23 +316,33 @@ print(os.getuid(), os.readlink("/proc/self/ns/net") != before, interfaces)
 @pytest.mark.skipif(os.getuid() != 0, reason="switches to user nobody")
 def test_an_unprivileged_user_isolates_through_a_user_namespace(tmp_path):
     """Without CAP_SYS_ADMIN, the launcher's fallback (a user namespace) gives the same."""
-    for python in (sys.executable, "/usr/bin/python3"):
-        try:
-            process = subprocess.run(
-                [python, "-c", ISOLATE_AS_USER, str(ROOT / "tfdp" / "launch.py")],
-                capture_output=True,
-                text=True,
-                user=65534,
-                group=65534,
-                extra_groups=[],
-                cwd=tmp_path,
-                timeout=60,
-            )
-            break
-        except (PermissionError, FileNotFoundError):
-            continue  # this Python is not readable by user nobody
-    else:
-        pytest.skip("no Python that user nobody can run")
+    # A copy of the launcher where user nobody can read it, whatever the checkout's
+    # permissions (a clone under a private directory is not readable by nobody).
+    shared = tempfile.mkdtemp(prefix="tfdp-launch-")
+    try:
+        os.chmod(shared, 0o755)
+        launcher = shutil.copy(ROOT / "tfdp" / "launch.py", shared)
+        os.chmod(launcher, 0o644)
+        for python in (sys.executable, "/usr/bin/python3"):
+            try:
+                process = subprocess.run(
+                    [python, "-c", ISOLATE_AS_USER, launcher],
+                    capture_output=True,
+                    text=True,
+                    user=65534,
+                    group=65534,
+                    extra_groups=[],
+                    cwd=shared,
+                    timeout=60,
+                )
+            except (PermissionError, FileNotFoundError):
+                continue  # user nobody cannot reach this Python
+            if "Permission denied" not in process.stderr:
+                break
+        else:
+            pytest.skip("no Python that user nobody can run")
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
     assert process.returncode == 0, process.stderr
     assert process.stdout.split() == ["65534", "True", "['lo']"]
 

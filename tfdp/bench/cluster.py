@@ -38,7 +38,7 @@ import dataclasses
 import json
 import statistics
 
-from tfdp.bench.table import Spec
+from tfdp.bench.spec import Spec
 
 EVERY = 5  # the rebalanced rows' --rebalance_every
 
@@ -119,10 +119,11 @@ def format_table(rows) -> str:
     return "\n".join(lines)
 
 
-def run(job: dict, rounds: int, slowdown: str, json_path: str | None) -> list[dict]:
-    """Measures the rows in interleaved rounds; prints the table; appends JSON lines."""
-    from tfdp.bench.table import measure_in_subprocess
-
+def run(
+    job: dict, rounds: int, slowdown: str, json_path: str | None, measure_in_subprocess
+) -> list[dict]:
+    """Measures the rows in interleaved rounds (`measure_in_subprocess(spec, job)`:
+    table.py's); prints the table; appends JSON lines."""
     specs = cluster_configurations(slowdown)
     print(
         f"LeNet, batch {job['batch_size']}, {job['iterations']} timed iterations after "

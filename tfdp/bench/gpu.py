@@ -22,7 +22,7 @@ only the overhead of the code paths, not a GPU's speed.
 
 from __future__ import annotations
 
-from tfdp.bench.table import Spec
+from tfdp.bench.spec import Spec
 
 STAND_IN_GPUS = 2  # without GPUs: logical CPUs standing for this many GPUs
 

@@ -34,6 +34,7 @@ from tfdp import onednn  # noqa: E402
 
 onednn.enable_by_default()  # an entry point: before TensorFlow is imported
 from tfdp.bench.flops import FORWARD_FLOPS, TRAIN_FLOPS  # noqa: E402
+from tfdp.bench.spec import Spec  # noqa: E402
 from tfdp.observe import CpuAccounting  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -105,26 +106,6 @@ flags.DEFINE_list(
     "sweep", ["96", "128", "160", "192", "256"], "mixed: static shares of the slow device."
 )
 flags.DEFINE_string("worker", None, "Internal: measure one configuration given as JSON.")
-
-
-@dataclasses.dataclass(frozen=True)
-class Spec:
-    """One configuration to measure."""
-
-    name: str
-    system: str  # tfdp | keras | matmul
-    mode: str  # single | mirrored | weighted | multiworker | fit
-    devices: int  # multiworker: workers
-    powers: tuple[float, ...] = ()
-    # oneDNN's CPU kernels (onednn.py): "tfdp" on, as tfdp runs; "tensorflow", TF's own default.
-    onednn: str = "tfdp"
-    jit_compile: bool = False  # tfdp's --jit_compile
-    precision: str = "float32"  # tfdp's --precision
-    # the devices by name (suite gpu), e.g. ("GPU:0", "CPU:0"); (): `devices` of the job's kind
-    device_list: tuple[str, ...] = ()
-    rebalance_every: int = 0  # tfdp's --rebalance_every
-    slowdown: str = ""  # tfdp's --simulate_slowdown
-    intra_op_threads: int = 0  # multiworker: each worker's --intra_op_threads (0: TF's default)
 
 
 def configurations(
@@ -770,7 +751,9 @@ def main(argv) -> None:
         from tfdp.bench import cluster as bench_cluster
 
         job["settle"] = FLAGS.settle
-        bench_cluster.run(job, FLAGS.rounds, FLAGS.cluster_slowdown, FLAGS.json)
+        bench_cluster.run(
+            job, FLAGS.rounds, FLAGS.cluster_slowdown, FLAGS.json, measure_in_subprocess
+        )
         return
     if FLAGS.suite == "gpu":
         from tfdp.bench import gpu as bench_gpu
