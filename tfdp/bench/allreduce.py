@@ -1,6 +1,7 @@
 """What one all-reduce of LeNet's gradients costs between workers on this machine.
 
     python -m tfdp.bench.allreduce [--workers=2] [--steps=50] [--collective=auto]
+                                   [--separate=true: one all-reduce per tensor]
 
 starts the workers on loopback (one process each, as tfdp-launch does), and
 each sums tensors of LeNet's gradient shapes over the cluster with
@@ -19,7 +20,7 @@ import sys
 import time
 
 
-def worker(steps: int, collective: str) -> dict:
+def worker(steps: int, collective: str, separate: bool = False) -> dict:
     import tensorflow as tf
 
     implementation = getattr(
@@ -40,6 +41,8 @@ def worker(steps: int, collective: str) -> dict:
     def all_reduce():
         def replica():
             context = tf.distribute.get_replica_context()
+            if separate:  # one collective per tensor
+                return [context.all_reduce("SUM", g.read_value()) for g in gradients]
             return context.all_reduce("SUM", [g.read_value() for g in gradients])
 
         summed = strategy.run(replica)
@@ -58,6 +61,7 @@ def worker(steps: int, collective: str) -> dict:
         "blocks_ms": blocks,
         "bytes_per_worker": sum(4 * int(tf.reduce_prod(s)) for s in shapes),
         "collective": collective,
+        "separate": separate,
     }
 
 
@@ -65,7 +69,8 @@ def main(argv: list[str]) -> None:
     options = dict(arg[2:].split("=", 1) for arg in argv if arg.startswith("--"))
     steps, collective = int(options.get("steps", 50)), options.get("collective", "auto")
     if "TF_CONFIG" in os.environ:
-        print(json.dumps(worker(steps, collective)))
+        separate = options.get("separate", "false").lower() in ("1", "true")
+        print(json.dumps(worker(steps, collective, separate)))
         return
     from tfdp.launch import free_ports, tf_configs
 
