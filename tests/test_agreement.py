@@ -111,18 +111,23 @@ def test_the_highest_port_is_accepted():
     assert read_cluster(text).addresses == ("127.0.0.1:65535",)
 
 
-def test_a_port_out_of_range_is_one_error_line(tmp_path):
-    tf_config = json.dumps(
-        {"cluster": {"worker": ["localhost:99999"]}, "task": {"type": "worker", "index": 0}}
-    )
-    process = subprocess.run(
+def run_alone(tf_config, cwd):
+    """One toy `tfdp --mode=multiworker` process with `tf_config`, run to its end."""
+    return subprocess.run(
         [sys.executable, "-m", "tfdp", "--mode=multiworker", "--model=toy"],
         capture_output=True,
         text=True,
         env=worker_environment(tf_config),
-        cwd=tmp_path,
+        cwd=cwd,
         timeout=120,
     )
+
+
+def test_a_port_out_of_range_is_one_error_line(tmp_path):
+    tf_config = json.dumps(
+        {"cluster": {"worker": ["localhost:99999"]}, "task": {"type": "worker", "index": 0}}
+    )
+    process = run_alone(tf_config, tmp_path)
     assert process.returncode == 2
     reason = "must be a list of host:port addresses (ports 1 to 65535), not 'localhost:99999'"
     assert own_stderr_lines(process) == [
@@ -143,14 +148,7 @@ def test_a_port_in_use_is_one_error_line(tmp_path):
                 "task": {"type": "worker", "index": 0},
             }
         )
-        process = subprocess.run(
-            [sys.executable, "-m", "tfdp", "--mode=multiworker", "--model=toy"],
-            capture_output=True,
-            text=True,
-            env=worker_environment(tf_config),
-            cwd=tmp_path,
-            timeout=120,
-        )
+        process = run_alone(tf_config, tmp_path)
     assert process.returncode == 2
     assert own_stderr_lines(process) == [
         f"tfdp: error: TF_CONFIG={address}: Could not start gRPC server on {address} for "

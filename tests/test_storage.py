@@ -19,6 +19,7 @@ import types
 import numpy as np
 import pytest
 from conftest import own_stderr_lines, tfdp
+from test_resume import result
 
 from tfdp.checkpoints import Checkpointer, StorageError, export_model, write_atomically
 from tfdp.config import Config
@@ -34,11 +35,6 @@ def load_weights(model_dir):
     import keras
 
     return keras.models.load_model(os.path.join(model_dir, "model.keras")).get_weights()
-
-
-def result(model_dir):
-    with open(os.path.join(model_dir, "result.json")) as f:
-        return json.load(f)
 
 
 def assert_same_run(straight, resumed):
