@@ -4,10 +4,10 @@ Every worker runs `tf.distribute.MultiWorkerMirroredStrategy`: one replica
 on its CPU (MultiWorkerMirroredStrategy does not use logical CPUs), or one
 per local GPU. Per step:
   1. the global batch is split over the workers by `--powers` (or equally);
-     each worker reads the same stream of global batches and keeps its own
-     slice, fed through `distribute_datasets_from_function`; when the split
-     may change (`--rebalance_every`), the slice is cut inside the step from
-     the split of that step, so every worker cuts the same batch alike;
+     each worker reads the same stream of global batches with a plain tf.data
+     iterator and cuts its own slice on the host, by the split of that step
+     (so the split can change between steps), then one piece per local
+     replica;
   2. each replica runs forward and backward on its shard, with the loss
      divided by the global batch;
   3. the optimizer sums the gradients with a collective all-reduce over all
@@ -82,15 +82,15 @@ class MultiWorkerTrainer(Trainer):
         self.local_replicas = len(strategy.extended.worker_devices)
         self.spec = spec
         self.objective = spec.objective
-        self.worker_batch = None  # examples per step this worker's input yields, once distributed
         # which of SIGNALS this worker caught, sent with the next step's loss (agree_to_stop)
         self.signals_caught = tf.Variable([0.0] * len(SIGNALS), trainable=False)
-        self.signals_seen = tf.zeros(len(SIGNALS))
+        self.signals_seen = []  # the summed signals of the last two steps, oldest first
         # --rebalance_every or a simulated slowdown: each step times this worker
         slowdown = bool(config.simulate_slowdown)
         self.timed = bool(config.rebalance_every) or slowdown
         self.balanced = self.timed or config.powers == AUTO  # the split is saved with a checkpoint
-        self.shard_sizes = tf.Variable(self.shards, dtype=tf.int32, trainable=False)
+        with tf.device("/cpu:0"):  # the batch is cut on the host
+            self.shard_sizes = tf.Variable(self.shards, dtype=tf.int32, trainable=False)
         self.delay = tf.Variable(0.0, dtype=tf.float64, trainable=False) if slowdown else None
         with strategy.scope():
             self.model = spec.make()
@@ -105,55 +105,40 @@ class MultiWorkerTrainer(Trainer):
         self.agree([*settings_to_agree(config), initial_weights(config, spec.weights)])
 
     def distribute(self, dataset):
-        """The iterator `train_step` reads: this worker's slice of every global batch, with
-        the global batch's size (the divisor of the loss; an epoch's last batch may be
-        partial, and is then split by `steps.partial_shards`)."""
+        """The iterator `train_step` reads: every global batch whole, with its size (the
+        divisor of the loss; an epoch's last batch may be partial, and is then split by
+        `steps.partial_shards`). The step cuts this worker's slice (`_own_shards`).
+
+        A plain tf.data iterator on the host, as the other modes read theirs, not
+        tf.distribute's: the per-device iterators of `distribute_datasets_from_function`
+        run tf.data's autotuning whatever the dataset's options say, and deleting one
+        at the end of a run could wait over a second for its background thread
+        (BUILD_NOTES, "A worker reads its batches with a plain iterator").
+        """
         from tfdp.objective import num_examples
-        from tfdp.steps import shard_sizes_for
 
-        shards, replicas, tf = self.shards, self.local_replicas, self.tf
-        global_batch = self.global_batch_size
-        if self.timed:  # the whole batch; the step cuts this worker's slice (`_own_slice`)
-            self.worker_batch = None
+        def with_size(*batch):
+            batch = batch if len(batch) > 1 else batch[0]
+            return batch, num_examples(batch)
 
-            def whole(*batch):
-                batch = batch if len(batch) > 1 else batch[0]
-                copy = tf.data.Dataset.from_tensors((batch, num_examples(batch)))
-                return copy.repeat(replicas)  # one copy per local replica
+        return iter(dataset.map(with_size))
 
-            return iter(
-                self.strategy.distribute_datasets_from_function(
-                    lambda context: dataset.flat_map(whole)
-                )
-            )
-
-        def worker_dataset(context):
-            worker = context.input_pipeline_id
-
-            def own_slice(*batch):
-                batch = batch if len(batch) > 1 else batch[0]
-                examples = num_examples(batch)
-                sizes = shard_sizes_for(examples, global_batch, shards)
-                begin, size = tf.reduce_sum(sizes[:worker]), sizes[worker]
-                return tf.nest.map_structure(lambda t: t[begin : begin + size], batch), examples
-
-            own = dataset.map(own_slice)
-            # what this worker's input yields (None: it varies at the end of an epoch)
-            self.worker_batch = tf.nest.flatten(own.element_spec)[0].shape[0] or shards[worker]
-            return own if replicas == 1 else _per_replica(own, replicas)
-
-        return iter(self.strategy.distribute_datasets_from_function(worker_dataset))
+    @property
+    def worker_batch(self) -> int:
+        """This worker's examples of a full global batch, at the current split."""
+        return self.shards[self.index]
 
     def train_step(self, iterator):
         """One update on the next global batch; returns the loss summed over the cluster
         and this worker's outputs."""
         metrics = self._train_step(iterator)
-        self.signals_seen = metrics.pop("signals")
+        self.signals_seen = [*self.signals_seen[-1:], metrics.pop("signals")]
         return metrics
 
     def _step(self, iterator):
         batch, examples = next(iterator)
-        summed, predictions, shard = self.strategy.run(self._replica_step, args=(batch, examples))
+        shards = self._own_shards(batch, examples)
+        summed, predictions, shard = self.strategy.run(self._replica_step, args=(shards, examples))
         # The loss, the stop signals and each worker's seconds travel in one all-reduce.
         summed = self.strategy.reduce("SUM", summed, axis=None)
         local = self.strategy.experimental_local_results
@@ -166,12 +151,26 @@ class MultiWorkerTrainer(Trainer):
             "predictions": local(predictions),
         }
 
+    def _own_shards(self, batch, examples):
+        """This worker's slice of the whole global `batch` by the split of this step
+        (`steps.shard_sizes_for`), cut near-equally over its local replicas: one
+        value per local replica."""
+        from tfdp.steps import cut, shard_sizes_for
+
+        tf = self.tf
+        sizes = shard_sizes_for(examples, self.global_batch_size, self.shard_sizes)
+        begin, size = tf.reduce_sum(sizes[: self.index]), sizes[self.index]
+        own = tf.nest.map_structure(lambda t: t[begin : begin + size], batch)
+        replicas = self.local_replicas
+        pieces = [own] if replicas == 1 else cut(own, replicas)
+        return self.strategy.experimental_distribute_values_from_function(
+            lambda context: pieces[context.replica_id_in_sync_group % replicas]
+        )
+
     def _replica_step(self, batch, examples):
         from tfdp.steps import clip_before_all_reduce, timed_replica_gradients
 
         tf = self.tf
-        if self.timed:
-            batch = self._own_slice(batch, examples)
         gradients, loss, predictions, seconds = timed_replica_gradients(
             self.model,
             self.objective,
@@ -189,20 +188,6 @@ class MultiWorkerTrainer(Trainer):
         own = own / self.local_replicas
         sent = [[loss], tf.cast(self.signals_caught, loss.dtype), tf.cast(own, loss.dtype)]
         return tf.concat(sent, 0), predictions, batch
-
-    def _own_slice(self, batch, examples):
-        """This replica's part of the whole global `batch`, by the split of this step:
-        the worker's slice (`steps.shard_sizes_for`), cut equally over its local replicas."""
-        from tfdp.steps import shard_sizes_for
-
-        tf = self.tf
-        sizes = shard_sizes_for(examples, self.global_batch_size, self.shard_sizes)
-        begin, size = tf.reduce_sum(sizes[: self.index]), sizes[self.index]
-        replicas = self.local_replicas
-        local = tf.distribute.get_replica_context().replica_id_in_sync_group % replicas
-        pieces = size // replicas + tf.cast(tf.range(replicas) < size % replicas, tf.int32)
-        begin += tf.reduce_sum(pieces[:local])
-        return tf.nest.map_structure(lambda t: t[begin : begin + pieces[local]], batch)
 
     def global_outputs(self, metrics) -> dict:
         """A step's `metrics` with every worker's slices of the batch and outputs joined
@@ -363,14 +348,19 @@ class MultiWorkerTrainer(Trainer):
         return WorkerCheckpointer(config, self)
 
     def agree_to_stop(self, signum: int) -> int:
-        """The signal a worker had caught when the last step started, or 0; the same on
-        every worker, so that all of them stop after the same step and save it.
+        """The signal a worker had caught when the step before last started, or 0; the
+        same on every worker, so that all of them stop after the same step and save it.
 
         This worker's `signum` rides with the next step's loss (`_step`): no
-        collective of its own. A signal is so acted on one step after it came.
+        collective of its own. The sums are read one step late, once the next step
+        is under way, so that reading them never makes the host wait for the step
+        just started (on a GPU, steps run ahead of the host). A signal is so acted
+        on two steps after it came.
         """
         self.signals_caught.assign([float(signum == s) for s in SIGNALS])
-        counts = self.signals_seen.numpy()
+        if len(self.signals_seen) < 2:
+            return 0
+        counts = self.signals_seen[0].numpy()
         return next((s for s, count in zip(SIGNALS, counts) if count > 0), 0)
 
     def finish(self) -> None:
@@ -391,27 +381,6 @@ class MultiWorkerTrainer(Trainer):
     def set_weights(self, weights) -> None:
         with self.strategy.scope():
             self.model.set_weights(weights)
-
-
-def _per_replica(dataset, replicas):
-    """Each (slice, examples) element cut into `replicas` near-equal consecutive pieces,
-    one per local device, each with the global batch's size."""
-    import tensorflow as tf
-
-    from tfdp.objective import num_examples
-
-    def pieces(batch, examples):
-        n = num_examples(batch)
-        sizes = n // replicas + tf.cast(tf.range(replicas) < n % replicas, tf.int32)
-        bounds = tf.concat([[0], tf.cumsum(sizes)], 0)
-        return tf.data.Dataset.range(replicas).map(
-            lambda j: (
-                tf.nest.map_structure(lambda t: t[bounds[j] : bounds[j + 1]], batch),
-                examples,
-            )
-        )
-
-    return dataset.flat_map(pieces)
 
 
 class WorkerCheckpointer(Checkpointer):
