@@ -299,6 +299,39 @@ def test_sigterm_to_one_worker_stops_both_at_the_same_saved_step(tmp_path, strai
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
 
 
+READ_A_WORKER_ITERATOR = """
+import json
+from tfdp import Config, data
+from tfdp.cluster import join_cluster, read_cluster
+from tfdp.trainers import build_trainer
+config = Config(mode="multiworker", model="toy", batch_size=8)
+workers = list(read_cluster().workers)
+join_cluster(config)
+trainer = build_trainer(config, workers, [8])
+iterator = trainer.distribute(data.train_dataset(data.make_toy_data(0, num_examples=50), 8, 1))
+loss = float(trainer.train_step(iterator)["loss"])
+dataset = iterator._dataset
+print(json.dumps({"iterator": type(iterator).__name__, "autotune": dataset.options().autotune.enabled}))
+"""
+
+
+def test_a_worker_reads_its_batches_with_a_plain_iterator_without_autotuning():
+    # tf.distribute's per-device iterators turn tf.data's autotuning back on, and deleting
+    # one could wait over a second for its background thread at the end of every run
+    # (MultiWorkerTrainer.distribute); a worker reads the host pipeline's own iterator.
+    (tf_config,) = tf_configs(free_ports(1))
+    process = subprocess.run(
+        [sys.executable, "-c", READ_A_WORKER_ITERATOR],
+        capture_output=True,
+        text=True,
+        env=environment(TF_CONFIG=tf_config),
+        timeout=120,
+    )
+    assert process.returncode == 0, process.stderr[-3000:]
+    read = json.loads(process.stdout.strip().splitlines()[-1])
+    assert read == {"iterator": "OwnedIterator", "autotune": False}
+
+
 EXAMPLE = {"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}}
 BAD_TF_CONFIGS = [
     (None, "is not set; mode multiworker reads the cluster"),
