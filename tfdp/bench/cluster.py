@@ -21,11 +21,9 @@ steady rate of each split; the few iterations rebalancing takes to settle
 as `warmup_seconds` but not in the rate.
 
 The rate is the steps' (`images_per_second_steps`: the timed iterations over
-the time until the last of them was done). A run's whole time also covers
-deleting its input iterator, which `distribute_datasets_from_function`'s
-iterators in a cluster can hold up for seconds, once per run and in some
-runs only (BUILD_NOTES, "tf.data autotuning: off"); that is not the speed of
-a split. `vs_even_whole_run` keeps the ratio with it.
+the time until the last of them was done): a run's whole time also covers
+deleting its input iterator, which is not the speed of a split.
+`vs_even_whole_run` keeps the ratio with it.
 
 Rounds are interleaved (the order rotated from round to round), and `vs_even`
 is the median over rounds of each round's rate against that round's even

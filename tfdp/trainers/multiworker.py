@@ -113,7 +113,7 @@ class MultiWorkerTrainer(Trainer):
         tf.distribute's: the per-device iterators of `distribute_datasets_from_function`
         run tf.data's autotuning whatever the dataset's options say, and deleting one
         at the end of a run could wait over a second for its background thread
-        (BUILD_NOTES, "A worker reads its batches with a plain iterator").
+        (BUILD_NOTES, "How shares are fed").
         """
         from tfdp.objective import num_examples
 
