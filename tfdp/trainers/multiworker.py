@@ -105,9 +105,9 @@ class MultiWorkerTrainer(Trainer):
         self.agree([*settings_to_agree(config), initial_weights(config, spec.weights)])
 
     def distribute(self, dataset):
-        """The iterator `train_step` reads: every global batch whole, with its size (the
-        divisor of the loss; an epoch's last batch may be partial, and is then split by
-        `steps.partial_shards`). The step cuts this worker's slice (`_own_shards`).
+        """The iterator `train_step` reads: every global batch whole. The step cuts this
+        worker's slice (`_own_shards`); the batch's size is the divisor of the loss (an
+        epoch's last batch may be partial, and is then split by `steps.partial_shards`).
 
         A plain tf.data iterator on the host, as the other modes read theirs, not
         tf.distribute's: the per-device iterators of `distribute_datasets_from_function`
@@ -115,13 +115,7 @@ class MultiWorkerTrainer(Trainer):
         at the end of a run could wait over a second for its background thread
         (BUILD_NOTES, "How shares are fed").
         """
-        from tfdp.objective import num_examples
-
-        def with_size(*batch):
-            batch = batch if len(batch) > 1 else batch[0]
-            return batch, num_examples(batch)
-
-        return iter(dataset.map(with_size))
+        return iter(dataset)
 
     @property
     def worker_batch(self) -> int:
@@ -136,7 +130,10 @@ class MultiWorkerTrainer(Trainer):
         return metrics
 
     def _step(self, iterator):
-        batch, examples = next(iterator)
+        from tfdp.objective import num_examples
+
+        batch = next(iterator)
+        examples = num_examples(batch)  # the global batch, or an epoch's partial last one
         shards = self._own_shards(batch, examples)
         summed, predictions, shard = self.strategy.run(self._replica_step, args=(shards, examples))
         # The loss, the stop signals and each worker's seconds travel in one all-reduce.
