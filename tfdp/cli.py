@@ -39,6 +39,7 @@ from tfdp.config import (  # noqa: E402
 )
 from tfdp.devices import (  # noqa: E402
     check_intra_op_threads,
+    check_logical_devices,
     configure_logical_devices,
     default_intra_op_threads,
     parse_slowdown,
@@ -245,8 +246,13 @@ def _fail(message: str, status: int = 2) -> None:
     sys.exit(status)
 
 
+ARGUMENTS = "arguments"  # what absl leaves after the flags: tfdp takes none
+
+
 def _flag_text(field: str, value) -> str:
     """`--field=value` as the user typed it where the field is a flag."""
+    if field == ARGUMENTS:
+        return f"unexpected arguments {value}"
     if field in FLAGS:
         return FLAGS[field].serialize() or f"--{field}="
     return f"{field}={value}"
@@ -307,45 +313,69 @@ def check_writable(field: str, path: str | None) -> None:
         raise ConfigError(field, path, "is not a writable file path")
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        _fail(f"unexpected arguments {' '.join(argv[1:])}; flags take the form --name=value")
-    if not FLAGS["verbosity"].present:
-        # tf.distribute logs every all-reduce it builds at INFO; the run's own output is enough.
-        logging.set_verbosity(logging.WARNING)
-    try:
-        config = config_from_flags()
-        check_writable("result_json", FLAGS.result_json)
-        if FLAGS.intra_op_threads is not None:
-            check_intra_op_threads(FLAGS.intra_op_threads)
-        reserve_sleeping_threads(len(parse_slowdown(config.simulate_slowdown)))
-        if config.mode == "multiworker":
-            from tfdp.cluster import read_cluster
+def error_line(error: ConfigError) -> str:
+    """What the command prints for `error`: the flag as typed, and what is wrong with it."""
+    return f"{_flag_text(error.field, error.value)}: {error.reason}"
 
-            read_cluster()  # a missing or malformed TF_CONFIG fails here, before TensorFlow starts
-        if config.mode == "multiworker" and FLAGS.logical_cpus:
+
+def checked_config(argv: list[str]) -> Config:
+    """The run's Config from the parsed flags (`argv`: what absl left of the command
+    line), after every check of the command line that needs no TensorFlow (the process
+    flags' too); raises ConfigError naming the flag."""
+    if len(argv) > 1:
+        raise ConfigError(ARGUMENTS, " ".join(argv[1:]), "flags take the form --name=value")
+    config = config_from_flags()
+    check_writable("result_json", FLAGS.result_json)
+    if FLAGS.intra_op_threads is not None:
+        check_intra_op_threads(FLAGS.intra_op_threads)
+    if config.mode == "multiworker":
+        from tfdp.cluster import read_cluster
+
+        read_cluster()  # a missing or malformed TF_CONFIG fails here, before TensorFlow starts
+        if FLAGS.logical_cpus:
             raise ConfigError(
                 "logical_cpus",
                 FLAGS.logical_cpus,
                 "MultiWorkerMirroredStrategy runs one replica per worker on the CPU and does not "
                 "use logical CPUs; start more workers instead (tfdp-launch --workers=N)",
             )
-        configure_logical_devices(
-            FLAGS.logical_cpus,
-            FLAGS.logical_gpus,
-            FLAGS.logical_gpu_memory,
-            memory_growth=FLAGS.gpu_memory_growth,
-        )
-        set_intra_op_threads(_intra_op_threads(config))
+    check_logical_devices(
+        FLAGS.logical_cpus,
+        FLAGS.logical_gpus,
+        FLAGS.logical_gpu_memory,
+        memory_growth=FLAGS.gpu_memory_growth,
+    )
+    return config
+
+
+def set_up_process(config: Config) -> None:
+    """This process's threads and logical devices: before TensorFlow initialises its runtime."""
+    reserve_sleeping_threads(len(parse_slowdown(config.simulate_slowdown)))
+    configure_logical_devices(
+        FLAGS.logical_cpus,
+        FLAGS.logical_gpus,
+        FLAGS.logical_gpu_memory,
+        memory_growth=FLAGS.gpu_memory_growth,
+    )
+    set_intra_op_threads(_intra_op_threads(config))
+
+
+def main(argv: list[str]) -> None:
+    if not FLAGS["verbosity"].present:
+        # tf.distribute logs every all-reduce it builds at INFO; the run's own output is enough.
+        logging.set_verbosity(logging.WARNING)
+    try:
+        config = checked_config(argv)
+        set_up_process(config)
         from tfdp import training  # imports TensorFlow: after the checks that need none
 
         plan = training.prepare(config)
     except ConfigError as error:
-        _fail(f"{_flag_text(error.field, error.value)}: {error.reason}")
+        _fail(error_line(error))
     try:
         result = training.run(plan)
     except ConfigError as error:  # a checkpoint that does not fit, found when restoring
-        _fail(f"{_flag_text(error.field, error.value)}: {error.reason}")
+        _fail(error_line(error))
     except training.NonFinite as error:
         _fail(str(error), status=1)
     except Stopped as error:  # SIGTERM or Ctrl-C, after saving the step

@@ -308,6 +308,33 @@ def reserve_sleeping_threads(count: int) -> None:
     tf.config.threading.set_inter_op_parallelism_threads((os.cpu_count() or 1) + count)
 
 
+def check_logical_devices(
+    logical_cpus: int = 0,
+    logical_gpus: int = 0,
+    gpu_memory_mb: int = 1024,
+    memory_growth: bool | None = None,
+) -> None:
+    """The checks of `configure_logical_devices` that need no TensorFlow; raises ConfigError."""
+    if logical_cpus < 0:
+        raise ConfigError("logical_cpus", logical_cpus, "must be 0 (keep the CPU whole) or more")
+    if logical_gpus < 0:
+        raise ConfigError("logical_gpus", logical_gpus, "must be 0 (keep GPUs as they are) or more")
+    if isinstance(gpu_memory_mb, bool) or not isinstance(gpu_memory_mb, int) or gpu_memory_mb < 1:
+        raise ConfigError(
+            "logical_gpu_memory",
+            gpu_memory_mb,
+            "must be a positive whole number of MB, the memory of each logical GPU",
+        )
+    if memory_growth and logical_gpus:
+        raise ConfigError(
+            "gpu_memory_growth",
+            memory_growth,
+            f"cannot be combined with --logical_gpus={logical_gpus}: TensorFlow gives logical "
+            "GPUs fixed memory (--logical_gpu_memory) and then ignores memory growth; "
+            "leave out one of the two",
+        )
+
+
 def configure_logical_devices(
     logical_cpus: int = 0,
     logical_gpus: int = 0,
@@ -340,24 +367,7 @@ def configure_logical_devices(
             logical GPUs without a GPU, or logical devices TensorFlow already
             started without.
     """
-    if logical_cpus < 0:
-        raise ConfigError("logical_cpus", logical_cpus, "must be 0 (keep the CPU whole) or more")
-    if logical_gpus < 0:
-        raise ConfigError("logical_gpus", logical_gpus, "must be 0 (keep GPUs as they are) or more")
-    if isinstance(gpu_memory_mb, bool) or not isinstance(gpu_memory_mb, int) or gpu_memory_mb < 1:
-        raise ConfigError(
-            "logical_gpu_memory",
-            gpu_memory_mb,
-            "must be a positive whole number of MB, the memory of each logical GPU",
-        )
-    if memory_growth and logical_gpus:
-        raise ConfigError(
-            "gpu_memory_growth",
-            memory_growth,
-            f"cannot be combined with --logical_gpus={logical_gpus}: TensorFlow gives logical "
-            "GPUs fixed memory (--logical_gpu_memory) and then ignores memory growth; "
-            "leave out one of the two",
-        )
+    check_logical_devices(logical_cpus, logical_gpus, gpu_memory_mb, memory_growth)
     import tensorflow as tf
 
     gpus = tf.config.list_physical_devices("GPU")
