@@ -118,11 +118,21 @@ def format_table(rows) -> str:
 
 
 def run(
-    job: dict, rounds: int, slowdown: str, json_path: str | None, measure_in_subprocess
+    job: dict,
+    rounds: int,
+    slowdown: str,
+    json_path: str | None,
+    measure_in_subprocess,
+    only=(),
 ) -> list[dict]:
     """Measures the rows in interleaved rounds (`measure_in_subprocess(spec, job)`:
-    table.py's); prints the table; appends JSON lines."""
-    specs = cluster_configurations(slowdown)
+    table.py's); prints the table; appends JSON lines. `only`: the rows to measure
+    besides the even split, which the others are measured against (all when empty)."""
+    specs = [
+        spec
+        for spec in cluster_configurations(slowdown)
+        if not only or spec.name in only or spec.name == "even split"
+    ]
     print(
         f"LeNet, batch {job['batch_size']}, {job['iterations']} timed iterations after "
         f"{job['warmup']} warm-up and {job['settle']} settling; {rounds} interleaved rounds "

@@ -54,23 +54,54 @@ VARIANTS = {
 }
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("variant", "bare", list(VARIANTS), "Which step to time.")
-flags.DEFINE_integer("iterations", 50, "Timed steps.")
-flags.DEFINE_integer("warmup", 5, "Untimed steps first.")
-flags.DEFINE_string("mnist_dir", None, "MNIST IDX files (default: $TFDP_MNIST_DIR, else tfds).")
-flags.DEFINE_string("profile_dir", None, "Trace the timed steps here and report time per kernel.")
-flags.DEFINE_integer("top_kernels", 12, "With --profile_dir: how many kernels to report.")
-flags.DEFINE_string(
-    "weights_out", None, "Save the model's weights after the last step here (.npz), to check them."
-)
+
+
+def define_flags() -> None:
+    """The command's flags, defined when it runs (a module that imports this one for its
+    functions, a test among them, gets none of them, so no flag of tfdp's is redefined)."""
+    if "variant" in FLAGS:
+        return
+    flags.DEFINE_enum("variant", "bare", list(VARIANTS), "Which step to time.")
+    flags.DEFINE_integer("iterations", 50, "Timed steps.")
+    flags.DEFINE_integer("warmup", 5, "Untimed steps first.")
+    flags.DEFINE_string("mnist_dir", None, "MNIST IDX files (default: $TFDP_MNIST_DIR, else tfds).")
+    flags.DEFINE_string(
+        "profile_dir", None, "Trace the timed steps here and report time per kernel."
+    )
+    flags.DEFINE_integer("top_kernels", 12, "With --profile_dir: how many kernels to report.")
+    flags.DEFINE_string(
+        "weights_out",
+        None,
+        "Save the model's weights after the last step here (.npz), to check them.",
+    )
 
 
 def main(argv) -> None:
+    import tensorflow as tf
+
+    from tfdp.data import load_mnist
+
+    if FLAGS.variant == "inter_op1":
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    arrays = load_mnist("train", mnist_dir=FLAGS.mnist_dir or os.environ.get("TFDP_MNIST_DIR"))
+    result, model = measure(
+        FLAGS.variant, arrays, FLAGS.iterations, FLAGS.warmup, FLAGS.profile_dir, FLAGS.top_kernels
+    )
+    if FLAGS.weights_out:
+        import numpy as np
+
+        np.savez(FLAGS.weights_out, *model.get_weights())
+    print(json.dumps(result))
+
+
+def measure(variant, arrays, iterations, warmup, profile_dir=None, top_kernels=12):
+    """Times `iterations` steps of `variant` on `arrays` (batches of 1024) after `warmup`
+    untimed ones; returns (the result line's fields, the model after the last step)."""
     import keras
     import tensorflow as tf
 
-    from tfdp.data import load_mnist, train_dataset
     from tfdp.config import Config
+    from tfdp.data import train_dataset
     from tfdp.models import (
         build_model,
         built_in_spec,
@@ -80,10 +111,7 @@ def main(argv) -> None:
     )
     from tfdp.steps import micro_batch_gradients, replica_gradients, timed_replica_gradients
 
-    variant, batch = FLAGS.variant, 1024
-    if variant == "inter_op1":
-        tf.config.threading.set_inter_op_parallelism_threads(1)
-    arrays = load_mnist("train", mnist_dir=FLAGS.mnist_dir or os.environ.get("TFDP_MNIST_DIR"))
+    batch = 1024
     dataset = train_dataset(arrays, batch, 0)
     model = build_model("lenet")
     model.set_weights(initial_weights("lenet"))
@@ -130,46 +158,42 @@ def main(argv) -> None:
             optimizer=keras.optimizers.SGD(0.1),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
-        model.fit(dataset, steps_per_epoch=FLAGS.warmup, epochs=1, verbose=0)
-        steps_run = FLAGS.warmup + FLAGS.iterations
-        with profiled(FLAGS.profile_dir):
+        model.fit(dataset, steps_per_epoch=warmup, epochs=1, verbose=0)
+        steps_run = warmup + iterations
+        with profiled(profile_dir):
             start = time.perf_counter()
-            model.fit(dataset, steps_per_epoch=FLAGS.iterations, epochs=1, verbose=0)
+            model.fit(dataset, steps_per_epoch=iterations, epochs=1, verbose=0)
             seconds = time.perf_counter() - start
     else:
         call = tf.function(steps, jit_compile=True if variant == "xla" else None)
         iterator = iter(dataset)
-        warmup_calls = max(1, FLAGS.warmup // steps_per_call)
+        warmup_calls = max(1, warmup // steps_per_call)
         for _ in range(warmup_calls):
             metrics = call(iterator)
         float(metrics["loss"])
-        calls = max(1, FLAGS.iterations // steps_per_call)
+        calls = max(1, iterations // steps_per_call)
         steps_run = (warmup_calls + calls) * steps_per_call
-        with profiled(FLAGS.profile_dir):
+        with profiled(profile_dir):
             start = time.perf_counter()
             for _ in range(calls):
                 metrics = call(iterator)
             float(metrics["loss"])
             seconds = time.perf_counter() - start
-        FLAGS.iterations = calls * steps_per_call
+        iterations = calls * steps_per_call
     result = {
         "variant": variant,
         "what": VARIANTS[variant],
         "onednn": onednn.enabled(),
-        "images_per_second": FLAGS.iterations * batch / seconds,
+        "images_per_second": iterations * batch / seconds,
         "seconds": seconds,  # of the timed steps
         "steps": steps_run,  # all of them, the warm-up's too: the updates the weights saw
     }
-    if FLAGS.weights_out:
-        import numpy as np
-
-        np.savez(FLAGS.weights_out, *model.get_weights())
-    if FLAGS.profile_dir:
-        totals = kernel_seconds(FLAGS.profile_dir)
-        top = sorted(totals.items(), key=lambda item: -item[1])[: FLAGS.top_kernels]
-        result["kernel_ms_per_step"] = {k: round(1000 * s / FLAGS.iterations, 2) for k, s in top}
-        result["if_only_arithmetic"] = arithmetic_bound(totals, seconds / FLAGS.iterations)
-    print(json.dumps(result))
+    if profile_dir:
+        totals = kernel_seconds(profile_dir)
+        top = sorted(totals.items(), key=lambda item: -item[1])[:top_kernels]
+        result["kernel_ms_per_step"] = {k: round(1000 * s / iterations, 2) for k, s in top}
+        result["if_only_arithmetic"] = arithmetic_bound(totals, seconds / iterations, iterations)
+    return result, model
 
 
 @contextlib.contextmanager
@@ -186,18 +210,18 @@ def profiled(logdir):
             tf.profiler.experimental.stop()
 
 
-def arithmetic_bound(kernel_totals: dict[str, float], step_seconds: float) -> dict:
+def arithmetic_bound(kernel_totals: dict[str, float], step_seconds: float, steps: int) -> dict:
     """The step if only its convolution and matmul kernels ran, on every core at once.
 
-    `kernel_totals` are seconds per kernel type over the timed steps
+    `kernel_totals` are seconds per kernel type over the `steps` timed steps
     (`kernel_seconds`), `step_seconds` the measured time per step.
     """
     arithmetic = sum(s for k, s in kernel_totals.items() if "Conv2D" in k or "MatMul" in k)
     cores = len(os.sched_getaffinity(0))
-    bound = arithmetic / FLAGS.iterations / cores
+    bound = arithmetic / steps / cores
     return {
-        "conv_and_matmul_ms_per_step": round(1000 * arithmetic / FLAGS.iterations, 2),
-        "all_kernels_ms_per_step": round(1000 * sum(kernel_totals.values()) / FLAGS.iterations, 2),
+        "conv_and_matmul_ms_per_step": round(1000 * arithmetic / steps, 2),
+        "all_kernels_ms_per_step": round(1000 * sum(kernel_totals.values()) / steps, 2),
         "cores": cores,
         "step_ms": round(1000 * step_seconds, 2),
         "bound_step_ms": round(1000 * bound, 2),
@@ -230,4 +254,5 @@ def kernel_seconds(logdir) -> dict[str, float]:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -38,74 +38,84 @@ from tfdp.bench.spec import Spec  # noqa: E402
 from tfdp.observe import CpuAccounting  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("rounds", 3, "Interleaved rounds; the table reports medians over them.")
-flags.DEFINE_integer("iterations", 50, "Timed iterations per measurement (the tutorial's 50).")
-flags.DEFINE_integer("warmup", 5, "Untimed iterations first: tracing, compilation, caches.")
-flags.DEFINE_integer("batch_size", 1024, "Global batch size.")
-flags.DEFINE_list("device_counts", ["1", "2", "4"], "Device counts to measure.")
-flags.DEFINE_enum(
-    "devices", "auto", ["auto", "cpu", "gpu"], "auto: GPUs where there are any, else logical CPUs."
-)
-flags.DEFINE_list("uneven_powers", ["1", "3"], "Powers of the uneven weighted configuration.")
-flags.DEFINE_list("only", [], "Measure only these configurations (names as in the table).")
-flags.DEFINE_list(
-    "keras_onednn",
-    ["1"],
-    "Device counts at which Keras fit also runs with oneDNN's CPU kernels on, as tfdp does "
-    "(the plain keras rows keep TensorFlow's own default).",
-)
-flags.DEFINE_list(
-    "workers",
-    [],
-    "Also measure mode multiworker with these worker counts, e.g. 1,2: one local process per "
-    "worker on loopback, as tfdp-launch starts them. Default: none.",
-)
-flags.DEFINE_bool("synthetic", False, "Random images of MNIST's shape instead of MNIST.")
-flags.DEFINE_string(
-    "model",
-    "lenet",
-    "lenet (the tutorial's, plain SGD), or MODULE:FUNCTION returning a compiled Keras model "
-    "for MNIST's images, e.g. examples/mnist_cnn.py:make_model: every row trains it, tfdp's "
-    "and Keras fit's alike.",
-)
-flags.DEFINE_string("mnist_dir", None, "MNIST IDX files (default: $TFDP_MNIST_DIR, else tfds).")
-flags.DEFINE_string("json", None, "Append one JSON line per measurement and per table row.")
-flags.DEFINE_string("plot", None, "Draw images/s against device count per mode (PNG).")
-flags.DEFINE_enum(
-    "suite",
-    "scaling",
-    ["scaling", "mixed", "switches", "gpu", "cluster"],
-    "scaling: the tutorial's table over device counts; mixed: splits over unequal devices; "
-    "switches: --jit_compile and each --precision against the plain step, at each of "
-    "--device_counts (single at 1, mirrored above); gpu: one GPU, all GPUs, GPU+CPU, each "
-    "beside Keras fit (logical CPUs stand in without a GPU); cluster: 2 workers, "
-    "--cluster_slowdown, even split against rebalancing.",
-)
-flags.DEFINE_list(
-    "worker_threads",
-    ["0"],
-    "multiworker rows: threads per kernel in each worker (0: TensorFlow's default, as the "
-    "tfdp command runs a worker), one row per value.",
-)
-flags.DEFINE_string(
-    "cluster_slowdown", "worker:1=4", "cluster: the simulated slowdown (--simulate_slowdown)."
-)
-flags.DEFINE_integer(
-    "settle",
-    20,
-    "cluster: untimed iterations after --warmup, rebalancing as in training, so that the "
-    "timed iterations run at the split rebalancing settled on.",
-)
-flags.DEFINE_list("mixed_devices", ["cpu:0", "cpu:1"], "mixed: the two devices.")
-flags.DEFINE_string(
-    "slowdown",
-    "cpu:1=4",
-    "mixed: simulated slowdown DEVICE=FACTOR (empty on really unequal devices).",
-)
-flags.DEFINE_list(
-    "sweep", ["96", "128", "160", "192", "256"], "mixed: static shares of the slow device."
-)
-flags.DEFINE_string("worker", None, "Internal: measure one configuration given as JSON.")
+
+
+def define_flags() -> None:
+    """The command's flags, defined when it runs (a module that imports this one for its
+    functions, a test among them, gets none of them, so no flag of tfdp's is redefined)."""
+    if "rounds" in FLAGS:
+        return
+    flags.DEFINE_integer("rounds", 3, "Interleaved rounds; the table reports medians over them.")
+    flags.DEFINE_integer("iterations", 50, "Timed iterations per measurement (the tutorial's 50).")
+    flags.DEFINE_integer("warmup", 5, "Untimed iterations first: tracing, compilation, caches.")
+    flags.DEFINE_integer("batch_size", 1024, "Global batch size.")
+    flags.DEFINE_list("device_counts", ["1", "2", "4"], "Device counts to measure.")
+    flags.DEFINE_enum(
+        "devices",
+        "auto",
+        ["auto", "cpu", "gpu"],
+        "auto: GPUs where there are any, else logical CPUs.",
+    )
+    flags.DEFINE_list("uneven_powers", ["1", "3"], "Powers of the uneven weighted configuration.")
+    flags.DEFINE_list("only", [], "Measure only these configurations (names as in the table).")
+    flags.DEFINE_list(
+        "keras_onednn",
+        ["1"],
+        "Device counts at which Keras fit also runs with oneDNN's CPU kernels on, as tfdp does "
+        "(the plain keras rows keep TensorFlow's own default).",
+    )
+    flags.DEFINE_list(
+        "workers",
+        [],
+        "Also measure mode multiworker with these worker counts, e.g. 1,2: one local process per "
+        "worker on loopback, as tfdp-launch starts them. Default: none.",
+    )
+    flags.DEFINE_bool("synthetic", False, "Random images of MNIST's shape instead of MNIST.")
+    flags.DEFINE_string(
+        "model",
+        "lenet",
+        "lenet (the tutorial's, plain SGD), or MODULE:FUNCTION returning a compiled Keras model "
+        "for MNIST's images, e.g. examples/mnist_cnn.py:make_model: every row trains it, tfdp's "
+        "and Keras fit's alike.",
+    )
+    flags.DEFINE_string("mnist_dir", None, "MNIST IDX files (default: $TFDP_MNIST_DIR, else tfds).")
+    flags.DEFINE_string("json", None, "Append one JSON line per measurement and per table row.")
+    flags.DEFINE_string("plot", None, "Draw images/s against device count per mode (PNG).")
+    flags.DEFINE_enum(
+        "suite",
+        "scaling",
+        ["scaling", "mixed", "switches", "gpu", "cluster"],
+        "scaling: the tutorial's table over device counts; mixed: splits over unequal devices; "
+        "switches: --jit_compile and each --precision against the plain step, at each of "
+        "--device_counts (single at 1, mirrored above); gpu: one GPU, all GPUs, GPU+CPU, each "
+        "beside Keras fit (logical CPUs stand in without a GPU); cluster: 2 workers, "
+        "--cluster_slowdown, even split against rebalancing.",
+    )
+    flags.DEFINE_list(
+        "worker_threads",
+        ["0"],
+        "multiworker rows: threads per kernel in each worker (0: TensorFlow's default, as the "
+        "tfdp command runs a worker), one row per value.",
+    )
+    flags.DEFINE_string(
+        "cluster_slowdown", "worker:1=4", "cluster: the simulated slowdown (--simulate_slowdown)."
+    )
+    flags.DEFINE_integer(
+        "settle",
+        20,
+        "cluster: untimed iterations after --warmup, rebalancing as in training, so that the "
+        "timed iterations run at the split rebalancing settled on.",
+    )
+    flags.DEFINE_list("mixed_devices", ["cpu:0", "cpu:1"], "mixed: the two devices.")
+    flags.DEFINE_string(
+        "slowdown",
+        "cpu:1=4",
+        "mixed: simulated slowdown DEVICE=FACTOR (empty on really unequal devices).",
+    )
+    flags.DEFINE_list(
+        "sweep", ["96", "128", "160", "192", "256"], "mixed: static shares of the slow device."
+    )
+    flags.DEFINE_string("worker", None, "Internal: measure one configuration given as JSON.")
 
 
 def configurations(
@@ -752,7 +762,12 @@ def main(argv) -> None:
 
         job["settle"] = FLAGS.settle
         bench_cluster.run(
-            job, FLAGS.rounds, FLAGS.cluster_slowdown, FLAGS.json, measure_in_subprocess
+            job,
+            FLAGS.rounds,
+            FLAGS.cluster_slowdown,
+            FLAGS.json,
+            measure_in_subprocess,
+            FLAGS.only,
         )
         return
     if FLAGS.suite == "gpu":
@@ -825,6 +840,7 @@ def main(argv) -> None:
 
 def run() -> None:
     """Console-script entry point."""
+    define_flags()
     if any(arg in ("--help", "-h", "--helpshort", "-?") for arg in sys.argv[1:]):
         # absl's --help lists only __main__'s key flags, which a console script has none of.
         print(__doc__.strip() + "\n\nflags (all: --helpfull):\n" + FLAGS.module_help(__name__))
