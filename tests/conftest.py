@@ -2,25 +2,25 @@
 
 They must exist before TensorFlow initialises its runtime, so this runs at
 collection time, before any test module touches TensorFlow. Tests that need
-another device layout run the CLI in a subprocess.
+another device layout run the CLI in a subprocess. The helpers several modules
+share are in helpers.py; the fixtures are here.
 """
 
 import os
-import subprocess
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import pytest  # noqa: E402
+import pytest
+from helpers import NUM_LOGICAL_CPUS, random_images
 
-from tfdp import onednn  # noqa: E402
-from tfdp.devices import configure_logical_devices  # noqa: E402
+from tfdp import onednn
+from tfdp.devices import configure_logical_devices, reserve_sleeping_threads
 
 onednn.enable_by_default()  # as the tfdp command does: the tests run its kernels
-NUM_LOGICAL_CPUS = 4
 configure_logical_devices(logical_cpus=NUM_LOGICAL_CPUS)
-
-CPUS = [f"/device:CPU:{i}" for i in range(NUM_LOGICAL_CPUS)]
+# As the tfdp command does for a run with a simulated slowdown: a sleeping device holds an
+# inter-op thread, and a spare one keeps the other devices' ops from queueing behind it.
+reserve_sleeping_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -35,26 +35,7 @@ def mnist_dir():
     return directory
 
 
-# Lines TensorFlow's native runtime prints at start-up, whatever the log level.
-NATIVE_PREFIXES = ("WARNING: All log messages before absl", "I0000", "W0000", "E0000")
-
-
-def tfdp(*args, cwd=None, wait=True):
-    """Runs the `tfdp` command in a fresh process (its own device set-up)."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("TFDP_MNIST_DIR", None)  # every run here names its data explicitly
-    command = [sys.executable, "-m", "tfdp", *args]
-    if not wait:
-        return subprocess.Popen(
-            command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=900)
-
-
-def own_stderr_lines(process):
-    """stderr without TensorFlow's native start-up lines."""
-    return [
-        line
-        for line in process.stderr.splitlines()
-        if line.strip() and not line.startswith(NATIVE_PREFIXES)
-    ]
+@pytest.fixture(scope="session")
+def images():
+    """600 random MNIST-shaped examples: six batches of 100."""
+    return random_images(600)

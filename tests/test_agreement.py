@@ -9,13 +9,11 @@ timeout: a hang fails the test.
 import dataclasses
 import hashlib
 import json
-import os
 import subprocess
 import sys
 
 import pytest
-from conftest import own_stderr_lines
-from test_multiworker import TOY, environment
+from helpers import ROOT, environment, own_stderr_lines, refusal
 
 from tfdp.cluster import (
     AGREED_FIELDS,
@@ -32,7 +30,7 @@ from tfdp.errors import ConfigError
 from tfdp.launch import free_ports, tf_configs
 
 WORKERS = ("worker:0", "worker:1")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOY = ["--model=toy", "--batch_size=256", "--progress=never"]
 
 
 def worker_environment(tf_config):
@@ -123,16 +121,16 @@ def run_alone(tf_config, cwd):
     )
 
 
-def test_a_port_out_of_range_is_one_error_line(tmp_path):
+def test_a_port_out_of_range_is_one_error_line(tmp_path, monkeypatch):
     tf_config = json.dumps(
         {"cluster": {"worker": ["localhost:99999"]}, "task": {"type": "worker", "index": 0}}
     )
-    process = run_alone(tf_config, tmp_path)
-    assert process.returncode == 2
+    monkeypatch.setenv("TF_CONFIG", tf_config)
+    monkeypatch.chdir(tmp_path)
+    _, line = refusal("--mode=multiworker", "--model=toy")
     reason = "must be a list of host:port addresses (ports 1 to 65535), not 'localhost:99999'"
-    assert own_stderr_lines(process) == [
-        f'tfdp: error: TF_CONFIG={tf_config}: job "worker" {reason}'
-    ]
+    assert line == f'tfdp: error: TF_CONFIG={tf_config}: job "worker" {reason}'
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_port_in_use_is_one_error_line(tmp_path):

@@ -5,7 +5,6 @@ import random
 import statistics
 
 import pytest
-
 from cost_model import SimulatedDevice, simulate
 
 from tfdp.balance import (

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from tfdp.bench.table import configurations
 from tfdp.bench.flops import FORWARD_FLOPS, LENET_FORWARD_MACS, TRAIN_FLOPS
+from tfdp.bench.table import configurations
 from tfdp.models import build_model
 
 
@@ -82,7 +82,72 @@ def test_configurations_cover_the_table():
     }
 
 
+def fake_measurements(specs, rounds=3):
+    """Made-up measurements of `specs`: every configuration and round at its own rate."""
+    measurements = {}
+    for k, spec in enumerate(specs):
+        if spec.system == "matmul":
+            measurements[spec.name] = [{"flops_per_second": 1e11 * (1 + r)} for r in range(rounds)]
+            continue
+        measurements[spec.name] = [
+            {
+                "images_per_second": 1000.0 * (k + 1) + 10 * r,
+                "seconds": 1.0 + 0.1 * r,
+                "images_per_second_steps": 1100.0 * (k + 1) + 10 * r,
+                "onednn": True,
+                "steal_fraction": 0.01 * r,
+                "device_list": ["CPU:0"],
+            }
+            for r in range(rounds)
+        ]
+    return measurements
+
+
+def test_the_table_is_the_arithmetic_of_the_measurements():
+    from tfdp.bench.table import format_table, summarize
+
+    specs = configurations([1, 2], [1.0, 3.0], keras_onednn=[1])
+    measurements = fake_measurements(specs)
+    rows = summarize(specs, measurements, batch_size=32, iterations=2)
+    median = {
+        name: sorted(m["images_per_second"] for m in runs)[1]
+        for name, runs in measurements.items()
+        if name != "matmul peak"
+    }
+    peak = 2e11  # the median of 1e11, 2e11, 3e11
+    by_name = {row["configuration"]: row for row in rows}
+    assert list(by_name) == [s.name for s in specs if s.system != "matmul"]
+    keras_of = {
+        "tfdp single": "keras fit",
+        "keras fit": "keras fit",
+        "keras fit, oneDNN": "keras fit",
+        "tfdp mirrored x2": "keras fit mirrored x2",
+        "tfdp weighted x2": "keras fit mirrored x2",
+        "keras fit mirrored x2": "keras fit mirrored x2",
+        "tfdp weighted 1:3": "keras fit mirrored x2",
+    }
+    for name, row in by_name.items():
+        assert row["images_per_second"] == median[name]
+        assert row["vs_tfdp_single"] == pytest.approx(median[name] / median["tfdp single"])
+        assert row["keras_same_devices"] == keras_of[name]
+        assert row["vs_keras_same_devices"] == pytest.approx(median[name] / median[keras_of[name]])
+        # LeNet's FLOPs per training image, counted by hand above
+        assert row["fraction_of_peak"] == pytest.approx(
+            median[name] * LENET_TRAIN_FLOPS_BY_HAND / peak
+        )
+        assert row["steal_fraction_max"] == pytest.approx(0.02)
+    assert by_name["tfdp single"]["vs_keras_onednn_same_devices"] == pytest.approx(
+        median["tfdp single"] / median["keras fit, oneDNN"]
+    )
+    # every ratio tells the rows apart: a ratio taken against the wrong row shows
+    assert len({row["vs_tfdp_single"] for row in rows}) == len(rows)
+    table = format_table(rows, 2)
+    assert f"| tfdp weighted 1:3 | 2 | {median['tfdp weighted 1:3']:.0f} " in table
+
+
 def test_bench_smoke(tmp_path):
+    """The scaling suite's smallest run: the parent, a matmul, tfdp single, Keras fit and
+    a weighted split, each measured in its own process."""
     import subprocess
     import sys
 
@@ -99,6 +164,8 @@ def test_bench_smoke(tmp_path):
             "--batch_size=32",
             "--device_counts=1,2",
             "--devices=cpu",
+            "--keras_onednn=",
+            "--only=tfdp single,keras fit,tfdp weighted 1:3",
             f"--json={jsonl}",
             f"--plot={png}",
         ],
@@ -109,17 +176,9 @@ def test_bench_smoke(tmp_path):
     assert process.returncode == 0, process.stderr[-3000:]
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
     rows = [r for r in records if r.get("summary")]
-    assert [r["configuration"] for r in rows] == [
-        "tfdp single",
-        "keras fit",
-        "keras fit, oneDNN",
-        "tfdp mirrored x2",
-        "tfdp weighted x2",
-        "keras fit mirrored x2",
-        "tfdp weighted 1:3",
-    ]
+    assert [r["configuration"] for r in rows] == ["tfdp single", "keras fit", "tfdp weighted 1:3"]
     measured = [r for r in records if not r.get("summary")]
-    assert {r["name"] for r in measured} >= {"matmul peak", "tfdp weighted 1:3"}
+    assert {r["name"] for r in measured} == {"matmul peak", *(r["configuration"] for r in rows)}
     # One round: each row's figures follow from its one measurement's raw time.
     by_name = {r["name"]: r for r in measured}
     assert len(by_name) == len(measured) == len(rows) + 1
@@ -143,7 +202,7 @@ def test_bench_smoke(tmp_path):
     onednn = {r["name"]: r["onednn"] for r in measured}
     assert onednn["keras fit"] == tensorflow_default_onednn()
     if x86_64():
-        assert onednn["tfdp single"] is onednn["keras fit, oneDNN"] is True
+        assert onednn["tfdp single"] is True
     for record in measured:
         if record["name"] != "matmul peak":
             assert 0 <= record["steal_fraction"] <= 1 and record["cpu_seconds"] > 0
@@ -221,8 +280,58 @@ def run_bench(*flags):
     return process
 
 
-def test_gpu_suite_smoke_on_stand_ins(tmp_path):
+def test_gpu_suite_rows_and_their_stand_ins():
     """Without a GPU, logical CPUs stand in: CPU:0 and CPU:1 for two GPUs, CPU:2 for the CPU."""
+    from tfdp.bench import gpu
+    from tfdp.devices import canonical_name
+
+    specs = gpu.gpu_configurations(gpu.STAND_IN_GPUS)
+    assert [(s.name, list(s.device_list)) for s in specs] == [
+        ("matmul peak", []),
+        ("tfdp single", ["GPU:0"]),
+        ("keras fit", ["GPU:0"]),
+        ("tfdp mirrored x2", ["GPU:0", "GPU:1"]),
+        ("keras fit mirrored x2", ["GPU:0", "GPU:1"]),
+        ("tfdp weighted gpu+cpu auto", ["GPU:0", "CPU:0"]),
+        ("keras fit mirrored gpu+cpu", ["GPU:0", "CPU:0"]),
+    ]
+    stand_in = gpu.stand_in()
+    assert stand_in["logical_cpus"] == 3
+    assert {name: canonical_name(cpu) for name, cpu in stand_in["devices"].items()} == {
+        "GPU:0": "/device:CPU:0",
+        "GPU:1": "/device:CPU:1",
+        "CPU:0": "/device:CPU:2",
+    }
+
+
+def test_the_gpu_table_sets_each_row_beside_keras_on_the_same_devices():
+    from tfdp.bench import gpu
+    from tfdp.bench.table import summarize
+
+    specs = gpu.gpu_configurations(gpu.STAND_IN_GPUS)
+    measurements = fake_measurements(specs)
+    rows = {row["configuration"]: row for row in summarize(specs, measurements, 32, 2)}
+    median = {
+        name: sorted(m["images_per_second"] for m in runs)[1]
+        for name, runs in measurements.items()
+        if name != "matmul peak"
+    }
+    # each tfdp row beside Keras fit on the same devices, found by their names
+    assert {name: row["keras_same_devices"] for name, row in rows.items() if "tfdp" in name} == {
+        "tfdp single": "keras fit",
+        "tfdp mirrored x2": "keras fit mirrored x2",
+        "tfdp weighted gpu+cpu auto": "keras fit mirrored gpu+cpu",
+    }
+    for name, row in rows.items():
+        assert row["vs_keras_same_devices"] == pytest.approx(
+            median[name] / median[row["keras_same_devices"]]
+        )
+        assert row["stands_for"] == [list(s.device_list) for s in specs if s.name == name][0]
+
+
+def test_gpu_suite_smoke_on_stand_ins(tmp_path):
+    """The gpu suite's smallest run that measures a GPU+CPU split: weighted with auto
+    powers, on the logical CPUs that stand in for a GPU and the CPU."""
     from tfdp.bench.table import count_gpus
 
     if count_gpus():
@@ -235,6 +344,7 @@ def test_gpu_suite_smoke_on_stand_ins(tmp_path):
         "--iterations=2",
         "--warmup=1",
         "--batch_size=32",
+        "--only=tfdp weighted gpu+cpu auto",
         f"--json={jsonl}",
     )
     assert (
@@ -242,100 +352,99 @@ def test_gpu_suite_smoke_on_stand_ins(tmp_path):
         in (process.stdout.splitlines()[0])
     )
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
-    rows = {r["configuration"]: r for r in records if r.get("summary")}
-    assert list(rows) == [
-        "tfdp single",
-        "keras fit",
-        "tfdp mirrored x2",
-        "keras fit mirrored x2",
-        "tfdp weighted gpu+cpu auto",
-        "keras fit mirrored gpu+cpu",
-    ]
-    assert all(row["stand_in"] is True and row["suite"] == "gpu" for row in rows.values())
-    # the devices each row ran on, and the ones they stand for
-    ran_on = {name: row["device_list"] for name, row in rows.items()}
-    assert ran_on == {
-        "tfdp single": ["CPU:0"],
-        "keras fit": ["CPU:0"],
-        "tfdp mirrored x2": ["CPU:0", "CPU:1"],
-        "keras fit mirrored x2": ["CPU:0", "CPU:1"],
-        "tfdp weighted gpu+cpu auto": ["CPU:0", "CPU:2"],
-        "keras fit mirrored gpu+cpu": ["CPU:0", "CPU:2"],
-    }
-    assert rows["tfdp weighted gpu+cpu auto"]["stands_for"] == ["GPU:0", "CPU:0"]
-    assert rows["tfdp mirrored x2"]["stands_for"] == ["GPU:0", "GPU:1"]
+    [row] = [r for r in records if r.get("summary")]
+    assert row["configuration"] == "tfdp weighted gpu+cpu auto"
+    assert row["stand_in"] is True and row["suite"] == "gpu"
+    # the devices it ran on, and the ones they stand for
+    assert row["device_list"] == ["CPU:0", "CPU:2"]
+    assert row["stands_for"] == ["GPU:0", "CPU:0"]
     assert "| tfdp weighted gpu+cpu auto | GPU:0, CPU:0 (as CPU:0, CPU:2) |" in process.stdout
-    # each tfdp row beside Keras fit on the same devices
-    assert {name: row["keras_same_devices"] for name, row in rows.items() if "tfdp" in name} == {
-        "tfdp single": "keras fit",
-        "tfdp mirrored x2": "keras fit mirrored x2",
-        "tfdp weighted gpu+cpu auto": "keras fit mirrored gpu+cpu",
-    }
     measured = {r["name"]: r for r in records if not r.get("summary")}
+    assert set(measured) == {"matmul peak", "tfdp weighted gpu+cpu auto"}
     assert all(r["stand_in"]["logical_cpus"] == 3 for r in measured.values())
     # auto powers were measured (a probe ran) and split the 32 examples over both devices
     auto = measured["tfdp weighted gpu+cpu auto"]
     assert auto["probe_seconds"] > 0 and sum(auto["shards"]) == 32 and min(auto["shards"]) > 0
-    assert measured["tfdp single"]["probe_seconds"] == 0
-    # One round: every ratio follows from the raw seconds (2 iterations x 32 images).
-    rate = {name: 2 * 32 / r["seconds"] for name, r in measured.items() if name != "matmul peak"}
-    for name, row in rows.items():
-        assert row["images_per_second"] == pytest.approx(rate[name], rel=1e-9)
-        assert row["vs_tfdp_single"] == pytest.approx(rate[name] / rate["tfdp single"], rel=1e-9)
-        keras = row["keras_same_devices"]
-        assert row["vs_keras_same_devices"] == pytest.approx(rate[name] / rate[keras], rel=1e-9)
-    assert len({rate[name] for name in rate}) == len(rate)  # the ratios tell the rows apart
+    # One round: the rate follows from the raw seconds (2 iterations x 32 images).
+    assert row["images_per_second"] == pytest.approx(2 * 32 / auto["seconds"], rel=1e-9)
+
+
+def test_the_cluster_suite_rotates_its_rounds_and_divides_by_the_even_split(capsys):
+    """`bench.cluster.run` with made-up measurements: the order of the rows rotates from
+    round to round, and each ratio is the round's rate over that round's even split."""
+    from tfdp.bench import cluster
+
+    order = []
+
+    def measure(spec, job):
+        order.append(spec.name)
+        k = len(order)
+        return {
+            "images_per_second_steps": 100.0 * k,
+            "images_per_second": 90.0 * k,
+            "timed_shards": [32, 32],
+            "final_shards": [40, 24],
+            "device_seconds": [0.1, 0.2],
+        }
+
+    job = {"batch_size": 64, "iterations": 3, "warmup": 1, "settle": 8}
+    rows = cluster.run(job, 2, "worker:1=4", None, measure)
+    names = ["even split", "rebalanced (every 5)", "auto + rebalanced (every 5)"]
+    assert order == names + names[1:] + names[:1]  # round 1 A B C, round 2 B C A
+    measured = {
+        (r, name): 100.0 * (k + 1)
+        for k, (r, name) in enumerate(
+            [(1, n) for n in names] + [(2, n) for n in names[1:] + names[:1]]
+        )
+    }
+    by_name = {row["configuration"]: row for row in rows}
+    for name in names:
+        per_round = [measured[(r, name)] / measured[(r, "even split")] for r in (1, 2)]
+        assert by_name[name]["vs_even_per_round"] == pytest.approx(per_round)
+        assert by_name[name]["vs_even"] == pytest.approx(sum(per_round) / 2)
+        whole = [0.9 * measured[(r, name)] / (0.9 * measured[(r, "even split")]) for r in (1, 2)]
+        assert by_name[name]["vs_even_whole_run"] == pytest.approx(sum(whole) / 2)
+    assert by_name["even split"]["vs_even"] == 1.0
+    assert "| even split |" in capsys.readouterr().out
 
 
 def test_cluster_suite_smoke(tmp_path):
     """2 workers with worker:1 slowed 4x: the even split keeps 32/32, rebalancing re-splits
-    before the clock starts; vs_even from the raw seconds."""
+    before the clock starts (one round of the two rows)."""
     jsonl = tmp_path / "cluster.jsonl"
     process = run_bench(
         "--suite=cluster",
         "--synthetic",
-        "--rounds=2",
+        "--rounds=1",
         "--iterations=3",
         "--warmup=1",
         "--settle=8",
         "--batch_size=64",
+        "--only=rebalanced (every 5)",
         f"--json={jsonl}",
     )
     assert "SIMULATED slowdown worker:1=4" in process.stdout.splitlines()[0]
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
     rows = {r["configuration"]: r for r in records if r.get("summary")}
-    assert list(rows) == ["even split", "rebalanced (every 5)", "auto + rebalanced (every 5)"]
+    assert list(rows) == ["even split", "rebalanced (every 5)"]
     measured = [r for r in records if not r.get("summary")]
-    # interleaved, the order rotated: round 1 A B C, round 2 B C A
     assert [(r["round"], r["name"]) for r in measured] == [
         (1, "even split"),
         (1, "rebalanced (every 5)"),
-        (1, "auto + rebalanced (every 5)"),
-        (2, "rebalanced (every 5)"),
-        (2, "auto + rebalanced (every 5)"),
-        (2, "even split"),
     ]
     for r in measured:
         assert r["warmup_iterations"] == 9 and r["simulated_slowdown"]["worker:1"]["factor"] == 4
-    even = [r for r in measured if r["name"] == "even split"]
-    assert [r["timed_shards"] for r in even] == [[32, 32], [32, 32]]
-    assert all(r["resplits_before_timing"] == 0 for r in even)
-    for r in measured:
-        if r["name"] != "even split":  # the clock starts after rebalancing moved the split
-            # (which way is timing, on a shared machine with 64 examples: not asserted)
-            assert r["resplits_before_timing"] >= 1 and sum(r["timed_shards"]) == 64
-    # vs_even: per round, the steps' images/s (3 iterations x 64 over the seconds until the
-    # last step was done) against that round's even split; vs_even_whole_run: the run's seconds
+    even, rebalanced = measured
+    assert even["timed_shards"] == [32, 32] and even["resplits_before_timing"] == 0
+    # the clock starts after rebalancing moved the split (which way is timing, on a
+    # shared machine with 64 examples: not asserted)
+    assert rebalanced["resplits_before_timing"] >= 1 and sum(rebalanced["timed_shards"]) == 64
+    # vs_even: the steps' images/s (3 iterations x 64 over the seconds until the last step
+    # was done) against the even split's; vs_even_whole_run: the run's seconds
     for key, seconds in (("vs_even", "steps_seconds"), ("vs_even_whole_run", "seconds")):
-        rate = {(r["round"], r["name"]): 3 * 64 / r[seconds] for r in measured}
+        rate = {r["name"]: 3 * 64 / r[seconds] for r in measured}
         for name, row in rows.items():
-            per_round = [rate[(k, name)] / rate[(k, "even split")] for k in (1, 2)]
-            assert row[key] == pytest.approx((per_round[0] + per_round[1]) / 2, rel=1e-9)
-            if key == "vs_even":
-                assert row["vs_even_per_round"] == pytest.approx(per_round, rel=1e-9)
-                rates = [rate[(k, name)] for k in (1, 2)]
-                median = (rates[0] + rates[1]) / 2
-                assert row["images_per_second_steps"] == pytest.approx(median, rel=1e-9)
+            assert row[key] == pytest.approx(rate[name] / rate["even split"], rel=1e-9)
     assert rows["even split"]["vs_even"] == 1.0
     # each worker's seconds per step, the slowed worker's with its sleep
     assert all(len(r["device_seconds"]) == 2 for r in measured)

@@ -1,53 +1,50 @@
-"""`python -m tfdp.bench.steps`: each variant runs and reports (speed is never asserted)."""
+"""`python -m tfdp.bench.steps`: each variant runs and reports (speed is never asserted).
+
+The variants are measured in this process (`bench.steps.measure`, what the command
+runs); one run of the command itself checks its flags and its result line.
+"""
 
 import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+from helpers import environment
 
+from tfdp.bench import steps as bench_steps
 
-def bench_steps(variant, mnist_dir, *args):
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tfdp.bench.steps",
-            f"--variant={variant}",
-            "--iterations=10",
-            "--warmup=1",
-            f"--mnist_dir={mnist_dir}",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-# Steps the weights see with --warmup=1 --iterations=10: one warm-up call and ten
+ITERATIONS = 3  # timed steps of each measurement, after one warm-up step
+# Steps the weights see with warmup=1 and ITERATIONS: one warm-up call and ITERATIONS
 # timed ones of one step each, or for loop10 (10 steps per call) one call of each.
 STEPS = {"loop10": 10 + 10}
-STEPS_OTHERWISE = 1 + 10
+STEPS_OTHERWISE = 1 + ITERATIONS
 
 _reference = {}
 
 
-def reference_weights(steps, channels_first, mnist_dir):
+@pytest.fixture(scope="module")
+def mnist(mnist_dir):
+    from tfdp.data import load_mnist
+
+    return load_mnist("train", mnist_dir=mnist_dir)
+
+
+def reference_weights(steps, channels_first, mnist):
     """LeNet's weights after `steps` plain SGD steps (learning rate 0.1) on the mean
     cross-entropy of the bench's batches of 1024, worked out here with a gradient tape."""
     key = steps, channels_first
     if key not in _reference:
         import tensorflow as tf
 
-        from tfdp.data import load_mnist, train_dataset
+        from tfdp.data import train_dataset
         from tfdp.models import build_model, channels_first_lenet, initial_weights
 
         model = build_model("lenet")
         model.set_weights(initial_weights("lenet"))
         if channels_first:  # the same weights, read by a network that flattens NCHW
             model = channels_first_lenet(model)
-        batches = iter(train_dataset(load_mnist("train", mnist_dir=mnist_dir), 1024, 0))
+        batches = iter(train_dataset(mnist, 1024, 0))
         for _ in range(steps):
             x, y = next(batches)
             with tf.GradientTape() as tape:
@@ -66,26 +63,21 @@ def reference_weights(steps, channels_first, mnist_dir):
     "variant",
     ["clocks", "loop10", "xla_update", "micro256", "halves", "channels_first", "pool_first"],
 )
-def test_variant_makes_the_plain_sgd_update_and_reports_its_speed(variant, mnist_dir, tmp_path):
-    import numpy as np
-
+def test_variant_makes_the_plain_sgd_update_and_reports_its_speed(variant, mnist):
     from tfdp.models import initial_weights
 
-    weights_out = tmp_path / "weights.npz"
-    process = bench_steps(variant, mnist_dir, f"--weights_out={weights_out}")
-    assert process.returncode == 0, process.stderr[-3000:]
-    result = json.loads(process.stdout.strip().splitlines()[-1])
+    result, model = bench_steps.measure(variant, mnist, ITERATIONS, warmup=1)
     assert result["variant"] == variant
     assert isinstance(result["onednn"], bool)
     steps = STEPS.get(variant, STEPS_OTHERWISE)
     assert result["steps"] == steps
-    # 10 timed steps of 1024 images over the timed seconds
+    # the timed steps of 1024 images over the timed seconds
+    timed = 10 if variant == "loop10" else ITERATIONS
     assert result["seconds"] > 0
-    assert result["images_per_second"] == pytest.approx(10 * 1024 / result["seconds"], rel=1e-9)
-    with np.load(weights_out) as saved:
-        got = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    assert result["images_per_second"] == pytest.approx(timed * 1024 / result["seconds"], rel=1e-9)
+    got = model.get_weights()
     start = initial_weights("lenet")
-    expected = reference_weights(steps, variant == "channels_first", mnist_dir)
+    expected = reference_weights(steps, variant == "channels_first", mnist)
     assert [w.shape for w in got] == [w.shape for w in expected]
     for initial, want, have in zip(start, expected, got):
         update = np.abs(want - initial).max()
@@ -95,31 +87,44 @@ def test_variant_makes_the_plain_sgd_update_and_reports_its_speed(variant, mnist
         assert np.abs(have - want).max() <= 1e-2 * update
 
 
-def test_xla_on_the_whole_step_is_refused_by_tensorflow(mnist_dir):
-    # BUILD_NOTES says so: the step reads its batch from the iterator inside tf.function.
-    process = bench_steps("xla", mnist_dir)
-    assert process.returncode != 0
-    assert "IteratorGetNext" in process.stderr
-
-
-def test_profile_reports_time_per_kernel(mnist_dir, tmp_path):
+def test_the_command_prints_its_result_and_saves_the_weights(mnist_dir, tmp_path):
+    weights_out = tmp_path / "weights.npz"
     process = subprocess.run(
         [
             sys.executable,
             "-m",
             "tfdp.bench.steps",
             "--variant=bare",
-            "--iterations=3",
+            f"--iterations={ITERATIONS}",
             "--warmup=1",
             f"--mnist_dir={mnist_dir}",
-            f"--profile_dir={tmp_path}",
+            f"--weights_out={weights_out}",
         ],
         capture_output=True,
         text=True,
+        env=environment(),
         timeout=600,
     )
     assert process.returncode == 0, process.stderr[-3000:]
     result = json.loads(process.stdout.strip().splitlines()[-1])
+    assert result["variant"] == "bare" and result["steps"] == STEPS_OTHERWISE
+    with np.load(weights_out) as saved:
+        got = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    from tfdp.data import load_mnist
+
+    expected = reference_weights(STEPS_OTHERWISE, False, load_mnist("train", mnist_dir=mnist_dir))
+    for want, have in zip(expected, got, strict=True):
+        np.testing.assert_allclose(have, want, rtol=1e-2, atol=1e-5)
+
+
+def test_xla_on_the_whole_step_is_refused_by_tensorflow(mnist):
+    # BUILD_NOTES says so: the step reads its batch from the iterator inside tf.function.
+    with pytest.raises(Exception, match="IteratorGetNext"):
+        bench_steps.measure("xla", mnist, 1, warmup=1)
+
+
+def test_profile_reports_time_per_kernel(mnist, tmp_path):
+    result, _ = bench_steps.measure("bare", mnist, ITERATIONS, warmup=1, profile_dir=str(tmp_path))
     kernels = result["kernel_ms_per_step"]
     assert any("Conv2D" in name for name in kernels), kernels
     assert all(ms > 0 for ms in kernels.values())
@@ -138,8 +143,8 @@ def test_profile_reports_time_per_kernel(mnist_dir, tmp_path):
 def test_micro_batches_sum_to_the_whole_batch(pieces, side_by_side):
     import tensorflow as tf
 
-    from tfdp.data import synthetic_mnist
     from tfdp.config import Config
+    from tfdp.data import synthetic_mnist
     from tfdp.models import build_model, built_in_spec
     from tfdp.steps import micro_batch_gradients, replica_gradients
 
@@ -161,8 +166,8 @@ def test_micro_batches_sum_to_the_whole_batch(pieces, side_by_side):
 def test_pooling_before_tanh_is_the_same_network():
     import tensorflow as tf
 
-    from tfdp.data import synthetic_mnist
     from tfdp.config import Config
+    from tfdp.data import synthetic_mnist
     from tfdp.models import build_model, built_in_spec, pool_first_lenet
     from tfdp.steps import replica_gradients
 

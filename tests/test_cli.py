@@ -1,15 +1,18 @@
-"""The `tfdp` command end to end, in subprocesses (each sets up its own devices)."""
+"""The `tfdp` command: a few runs end to end in subprocesses (each sets up its own
+devices), and every bad flag checked in this process as the command checks it."""
 
-import gzip
 import json
 import os
-import struct
+import subprocess
+import sys
 
 import pytest
-from conftest import own_stderr_lines, tfdp
+from absl import flags
+from helpers import environment, own_stderr_lines, refusal, tfdp, write_idx
 
 from tfdp import Config
 from tfdp.devices import default_chains, default_intra_op_threads
+from tfdp.errors import ConfigError
 
 TOY_RUN = [
     "--mode=weighted",
@@ -46,13 +49,10 @@ def test_toy_run_writes_result_json(tmp_path):
 @pytest.mark.parametrize(
     "args, expected, chains",
     [
-        # tfdp's choices for this machine
+        # tfdp's choice for this machine: more logical CPUs than there may be cores
         (["--mode=mirrored", "--logical_cpus=4"], None, None),
-        (["--mode=single"], None, None),
         # the user's
-        (["--mode=mirrored", "--logical_cpus=4", "--intra_op_threads=3"], 3, None),
-        (["--mode=mirrored", "--logical_cpus=4", "--intra_op_threads=0"], 0, None),
-        (["--mode=single", "--chains=3"], None, 3),
+        (["--mode=single", "--chains=3", "--intra_op_threads=3"], 3, 3),
     ],
 )
 def test_threads_and_chains_reach_tensorflow(args, expected, chains, tmp_path):
@@ -73,63 +73,80 @@ def test_threads_and_chains_reach_tensorflow(args, expected, chains, tmp_path):
     assert result["chains"] == chains
 
 
-def test_flagfile(tmp_path):
+def test_flagfile_is_read_as_the_command_line(tmp_path):
+    from tfdp import cli
+
     flagfile = tmp_path / "toy.flags"
     flagfile.write_text("\n".join(TOY_RUN + ["--iterations=2", "--log_every=1"]) + "\n")
-    process = tfdp(f"--flagfile={flagfile}")
-    assert process.returncode == 0, process.stderr
-    assert process.stdout.splitlines()[0] == "workload partition: [('CPU:0', 17), ('CPU:1', 83)]"
-    assert "iteration 1, accuracy" in process.stdout
-
-
-def write_idx(path, magic, dims, payload):
-    with gzip.open(path, "wb") as f:
-        f.write(struct.pack(f">I{len(dims)}I", magic, *dims) + payload)
+    try:
+        config = cli.checked_config(cli.FLAGS(["tfdp", f"--flagfile={flagfile}"]))
+    finally:
+        cli.FLAGS.unparse_flags()
+    assert config == Config(
+        mode="weighted",
+        model="toy",
+        devices="cpu:0,cpu:1",
+        powers=(1.0, 5.0),
+        batch_size=100,
+        iterations=2,
+        log_every=1,
+        progress=False,
+    )
 
 
 IMAGES, LABELS = "train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"
 CORRUPTIONS = {
-    # name: (images (magic, dims, payload bytes), labels (...), words the error must contain)
-    "wrong magic": ((2049, (2, 28, 28), 2 * 784), (2049, (2,), 2), [IMAGES, "2051"]),
-    "truncated": ((2051, (2, 28, 28), 784), (2049, (2,), 2), [IMAGES, "1568", "784"]),
-    "wrong count": ((2051, (2, 28, 28), 2 * 784), (2049, (3,), 3), [IMAGES, LABELS, "2", "3"]),
+    # name: (images (magic, shape), labels (magic, shape), payload bytes cut from the
+    # images, words the error must contain)
+    "wrong magic": ((2049, (2, 28, 28)), (2049, (2,)), 0, [IMAGES, "2051"]),
+    "truncated": ((2051, (2, 28, 28)), (2049, (2,)), 784, [IMAGES, "1568", "784"]),
+    "wrong count": ((2051, (2, 28, 28)), (2049, (3,)), 0, [IMAGES, LABELS, "2", "3"]),
 }
 
 
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
-def test_corrupt_mnist_is_named(corruption, tmp_path):
-    images, labels, words = CORRUPTIONS[corruption]
+def test_corrupt_mnist_is_named(corruption, tmp_path, monkeypatch):
+    images, labels, cut, words = CORRUPTIONS[corruption]
     data = tmp_path / "mnist"
     data.mkdir()
-    for name, (magic, dims, size) in ((IMAGES, images), (LABELS, labels)):
-        write_idx(data / name, magic, dims, bytes(size))
-    process = tfdp(f"--mnist_dir={data}", "--iterations=1", cwd=tmp_path)
-    assert process.returncode == 2
-    [line] = own_stderr_lines(process)
+    for name, (magic, shape), drop in ((IMAGES, images, cut), (LABELS, labels, 0)):
+        write_idx(data / name, bytes_of(shape), magic=magic, cut=drop)
+    monkeypatch.chdir(tmp_path)
+    error, line = refusal(f"--mnist_dir={data}", "--iterations=1")
+    assert (error.field, error.value) == ("mnist_dir", str(data))
     assert line.startswith(f"tfdp: error: --mnist_dir={data}: ")
     for word in words:
         assert word in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mnist"]  # nothing written
 
 
+def bytes_of(shape):
+    import numpy as np
+
+    return np.zeros(shape, np.uint8)
+
+
+# Every refusal of the command line: the arguments, and the setting the error names with
+# its value as typed (absl's own errors name the flag in their text).
 BAD_FLAGS = [
-    (["--mode=async"], "--mode=async"),
-    (["--model=resnet"], "--model=resnet"),
-    (["--batch_size=abc"], "--batch_size=abc"),
-    (["--batch_size=0"], "--batch_size=0"),
-    (["--learning_rate=nan"], "--learning_rate=nan"),
-    (["--model=toy", "--dataset=mnist"], "--dataset=mnist"),
-    (["--mode=weighted", "--powers=1,fast"], "--powers=1,fast"),
-    (["--mode=weighted", "--powers=1,0"], "--powers=1,0"),
-    (["--mode=weighted", "--powers=1,nan"], "--powers=1,nan"),
-    (["--powers=1,5"], "--powers=1,5"),  # powers with mode single
-    (["--model=toy", "--devices=gpu:0"], "--devices=gpu:0"),
-    (["--model=toy", "--devices=cpu:0;cpu:1"], "--devices=cpu:0;cpu:1"),
+    (["--mode=async"], "mode", "async"),
+    (["--model=resnet"], "model", "resnet"),
+    (["--batch_size=abc"], "batch_size", "abc"),
+    (["--batch_size=0"], "batch_size", 0),
+    (["--learning_rate=nan"], "learning_rate", float("nan")),
+    (["--model=toy", "--dataset=mnist"], "dataset", "mnist"),
+    (["--mode=weighted", "--powers=1,fast"], "powers", ["1", "fast"]),
+    (["--mode=weighted", "--powers=1,0"], "powers", (1.0, 0.0)),
+    (["--mode=weighted", "--powers=1,nan"], "powers", (1.0, float("nan"))),
+    (["--powers=1,5"], "powers", (1.0, 5.0)),  # powers with mode single
+    (["--model=toy", "--devices=gpu:0"], "devices", "gpu:0"),
+    (["--model=toy", "--devices=cpu:0;cpu:1"], "devices", "cpu:0;cpu:1"),
     (
         ["--model=toy", "--mode=weighted", "--logical_cpus=2", "--devices=all", "--powers=1,2,3"],
-        "--powers=1,2,3",
+        "powers",
+        (1.0, 2.0, 3.0),
     ),
-    (["--model=toy", "--mode=mirrored", "--logical_cpus=4", "--batch_size=3"], "--batch_size=3"),
+    (["--model=toy", "--mode=mirrored", "--logical_cpus=4", "--batch_size=3"], "batch_size", 3),
     (
         [
             "--model=toy",
@@ -138,54 +155,126 @@ BAD_FLAGS = [
             "--logical_cpus=4",
             "--batch_size=6",
         ],
-        "--batch_size=6",
+        "batch_size",
+        6,
     ),
-    (["--model=toy", "--mode=mirrored", "--all_reduce=magic"], "--all_reduce=magic"),
+    (["--model=toy", "--mode=mirrored", "--all_reduce=magic"], "all_reduce", "magic"),
     (
         [
             "--model=toy",
             "--mode=weighted",
             "--logical_cpus=2",
+            "--devices=cpu:0,cpu:1",
             "--powers=1,1000",
             "--batch_size=10",
         ],
-        "--powers=1,1000",
+        "powers",
+        [1.0, 1000.0],
     ),
     (
-        ["--model=toy", "--mode=weighted", "--logical_cpus=2", "--simulate_slowdown=cpu:2=4"],
-        "--simulate_slowdown=cpu:2=4",
+        [
+            "--model=toy",
+            "--mode=weighted",
+            "--logical_cpus=2",
+            "--devices=cpu:0,cpu:1",
+            "--simulate_slowdown=cpu:2=4",
+        ],
+        "simulate_slowdown",
+        "cpu:2=4",
     ),
-    (["--model=toy", "--simulate_slowdown=cpu:0=0.5"], "--simulate_slowdown=cpu:0=0.5"),
-    (["--model=toy", "--mode=mirrored", "--rebalance_every=5"], "--rebalance_every=5"),
-    (["--model=toy", "--reduce=allreduce"], "--reduce=allreduce"),
+    (["--model=toy", "--simulate_slowdown=cpu:0=0.5"], "simulate_slowdown", "cpu:0=0.5"),
+    (["--model=toy", "--mode=mirrored", "--rebalance_every=5"], "rebalance_every", 5),
+    (["--model=toy", "--reduce=allreduce"], "reduce", "allreduce"),
     (
         ["--model=toy", "--mode=weighted", "--devices=cpu:0", "--rebalance_every=2"],
-        "--rebalance_every=2",
+        "rebalance_every",
+        2,
     ),
-    (["--model=toy", "--mode=weighted", "--powers=auto,1"], "--powers=auto,1"),
-    (["--logical_cpus=-1"], "--logical_cpus=-1"),
-    (["--model=toy", "--intra_op_threads=-1"], "--intra_op_threads=-1"),
-    (["--model=toy", "--chains=-2"], "--chains=-2"),
-    (["--mode=multiworker", "--chains=2"], "--chains=2"),
-    (["--mnist_dir=/no/such/dir"], "--mnist_dir=/no/such/dir"),
-    (["--model=toy", "--result_json=/no/such/dir/result.json"], "--result_json=/no/such/dir"),
-    (["--model=toy", "--epochs=2", "--iterations=5"], "--epochs=2"),
-    (["--model=toy", "--eval_every=-1"], "--eval_every=-1"),
-    (["--model=toy", "--checkpoint_every=0"], "--checkpoint_every=0"),
-    (["--model=toy", "--model_dir=/proc/tfdp"], "--model_dir=/proc/tfdp"),
-    (["--nosuchflag=1"], "nosuchflag"),
-    (["--model=toy", "extra"], "unexpected arguments extra"),
+    (["--model=toy", "--mode=weighted", "--powers=auto,1"], "powers", ["auto", "1"]),
+    (["--logical_cpus=-1"], "logical_cpus", -1),
+    (["--model=toy", "--intra_op_threads=-1"], "intra_op_threads", -1),
+    (["--model=toy", "--chains=-2"], "chains", -2),
+    (["--mode=multiworker", "--chains=2"], "chains", 2),
+    (["--mnist_dir=/no/such/dir"], "mnist_dir", "/no/such/dir"),
+    (
+        ["--model=toy", "--result_json=/no/such/dir/result.json"],
+        "result_json",
+        "/no/such/dir/result.json",
+    ),
+    (["--model=toy", "--epochs=2", "--iterations=5"], "epochs", 2),
+    (["--model=toy", "--eval_every=-1"], "eval_every", -1),
+    (["--model=toy", "--checkpoint_every=0"], "checkpoint_every", 0),
+    (["--model=toy", "--model_dir=/proc/tfdp"], "model_dir", "/proc/tfdp"),
+    (["--nosuchflag=1"], "nosuchflag", "1"),
+    (["--model=toy", "extra"], "arguments", "extra"),
 ]
 
 
-@pytest.mark.parametrize("args, named", BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
-def test_bad_flags_fail_early_with_one_line(args, named, tmp_path):
-    process = tfdp(*args, cwd=tmp_path)
+def same_value(got, expected):
+    if isinstance(expected, float) and expected != expected:  # nan
+        return isinstance(got, float) and got != got
+    if isinstance(expected, (list, tuple)):
+        return len(got) == len(expected) and all(map(same_value, got, expected))
+    return got == expected
+
+
+@pytest.mark.parametrize(
+    "args, field, value", BAD_FLAGS, ids=[" ".join(a) for a, _, _ in BAD_FLAGS]
+)
+def test_bad_flags_fail_early_with_one_line(args, field, value, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    error, line = refusal(*args)
+    assert error is not None, "accepted"
+    assert line.startswith("tfdp: error: ") and "\n" not in line
+    if isinstance(error, flags.Error):  # absl's parsing names the flag in its text
+        assert f"--{field}={value}" in line or f"flag '{field}'" in line, line
+    else:
+        assert isinstance(error, ConfigError)
+        assert error.field == field and same_value(error.value, value), (error.field, error.value)
+        typed = next((a for a in args if a.startswith(f"--{field}=")), None)
+        assert typed is None or typed in line, line  # the flag as the user typed it
+    assert capsys.readouterr().out == ""  # no training started
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+TENSORFLOW_IMPORTED = """
+import os, runpy, sys
+sys.argv = ["tfdp", *sys.argv[1:]]
+try:
+    runpy.run_module("tfdp", run_name="__main__")
+finally:
+    with open(os.environ["TFDP_TEST_REPORT"], "w") as report:
+        report.write(str("tensorflow" in sys.modules))
+"""
+
+
+@pytest.mark.parametrize(
+    "args, line, before_tensorflow",
+    [
+        (["--mode=async"], "tfdp: error: flag --mode=async: value should be one of", True),
+        (["--mode=weighted", "--powers=1,0"], "tfdp: error: --powers=1,0: every power", True),
+        (["--model=toy", "extra"], "tfdp: error: unexpected arguments extra: flags take", True),
+        (["--model=toy", "--result_json=/no/dir/r.json"], "tfdp: error: --result_json=", True),
+        # found once TensorFlow lists the devices
+        (["--model=toy", "--devices=gpu:0"], "tfdp: error: --devices=gpu:0: GPU:0 does not", False),
+    ],
+)
+def test_a_refusal_exits_2_with_one_line_and_writes_nothing(
+    args, line, before_tensorflow, tmp_path
+):
+    report = tmp_path.parent / f"{tmp_path.name}.report"
+    process = subprocess.run(
+        [sys.executable, "-c", TENSORFLOW_IMPORTED, *args, f"--model_dir={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        env=environment(TFDP_TEST_REPORT=str(report)),
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert process.returncode == 2
-    lines = own_stderr_lines(process)
-    assert len(lines) == 1, process.stderr
-    assert lines[0].startswith("tfdp: error: ")
-    assert named in lines[0]
+    [printed] = own_stderr_lines(process)
+    assert printed.startswith(line), printed
     assert "Traceback" not in process.stderr
     assert process.stdout == ""  # no training started
     assert list(tmp_path.iterdir()) == []  # nothing written
+    assert report.read_text() == str(not before_tensorflow)

@@ -1,42 +1,17 @@
 """Tests for tfdp.data: IDX reading, MNIST sources, toy data and the input pipelines."""
 
-import gzip
 import os
-import struct
 
 import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
+from helpers import write_idx, write_mnist_dir
 
 from tfdp import data
 
 TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
 TEST_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
-
-
-def write_idx(path, array, magic=None, extra=b"", cut=0):
-    """Writes `array` as a gzip IDX file; `extra` appends bytes, `cut` drops trailing ones."""
-    magic = 0x0800 + array.ndim if magic is None else magic
-    raw = struct.pack(">I", magic) + struct.pack(f">{array.ndim}I", *array.shape)
-    raw += array.astype(np.uint8).tobytes() + extra
-    with gzip.open(path, "wb") as f:
-        f.write(raw[: len(raw) - cut])
-    return str(path)
-
-
-def write_mnist_dir(directory, num_train=50, num_test=20, seed=0):
-    """Writes the four MNIST files with random content; returns {split: (images, labels)}."""
-    rng = np.random.default_rng(seed)
-    contents = {}
-    for split, n in (("train", num_train), ("test", num_test)):
-        images = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
-        labels = rng.integers(0, 10, size=n, dtype=np.uint8)
-        images_file, labels_file = data.IDX_FILES[split]
-        write_idx(directory / images_file, images)
-        write_idx(directory / labels_file, labels)
-        contents[split] = (images, labels)
-    return contents
 
 
 def take(dataset, count):

@@ -167,6 +167,7 @@ import importlib, json, re, sys
 from absl import flags
 name = sys.argv[1]
 module = importlib.import_module(name)
+getattr(module, "define_flags", lambda: None)()  # the bench commands define theirs when run
 if name == "tfdp.launch":
     own = re.findall(r"--(\w+)", module.USAGE)
     importlib.import_module("tfdp.cli")

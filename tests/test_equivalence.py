@@ -1,26 +1,18 @@
 """The key invariant: for the same global batches and initial weights, every
 mode makes the same update, however the batch is split over devices."""
 
+import helpers
 import numpy as np
 import pytest
-from conftest import CPUS
+from helpers import CPUS
 
 from tfdp import Config
-from tfdp.data import Arrays, train_dataset
+from tfdp.data import train_dataset
 from tfdp.trainers import build_trainer
 from tfdp.training import partition, step_metrics
 
 BATCH = 100
 SEED = 5
-
-
-@pytest.fixture(scope="module")
-def images():
-    rng = np.random.default_rng(0)
-    return Arrays(
-        rng.integers(0, 256, (600, 28, 28, 1), dtype=np.uint8),
-        rng.integers(0, 10, 600).astype(np.int32),
-    )
 
 
 def train_steps(mode, devices, powers, steps, images, **options):
@@ -32,11 +24,8 @@ def train_steps(mode, devices, powers, steps, images, **options):
         seed=SEED,
         **options,
     )
-    trainer = build_trainer(config, devices, partition(config, devices))
-    iterator = trainer.distribute(train_dataset(images, BATCH, SEED))
-    for _ in range(steps):
-        metrics = trainer.train_step(iterator)
-    return trainer.get_weights(), step_metrics(trainer.objective, metrics)
+    trainer, metrics = helpers.train_steps(config, devices, images, steps)
+    return trainer.get_weights(), metrics
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """Mode multiworker on loopback: tfdp-launch, and worker processes started by hand.
 
-Every run is the toy model, so that the time goes to starting the workers.
-Each subprocess has a timeout: a hang fails the test instead of CI.
+Every run is the toy model, so that the time goes to starting the workers; the
+`single` runs they are compared with run in this process. Each subprocess has a
+timeout: a hang fails the test instead of CI.
 """
 
 import json
@@ -13,56 +14,30 @@ import time
 
 import numpy as np
 import pytest
-from conftest import own_stderr_lines, tfdp
-from test_resume import latest_step, result
+from helpers import (
+    environment,
+    latest_step,
+    launch,
+    load_weights,
+    own_stderr_lines,
+    refusal,
+    result,
+    start_workers,
+    train,
+    wait_for,
+    worker_lines,
+)
 
-from tfdp import split_batch
+from tfdp import Config, split_batch
 from tfdp.launch import free_ports, tf_configs
 
 TOY = ["--model=toy", "--batch_size=256", "--progress=never"]
 
 
-def environment(**extra):
-    env = {k: v for k, v in os.environ.items() if k not in ("TFDP_MNIST_DIR", "TF_CONFIG")}
-    return dict(env, TF_CPP_MIN_LOG_LEVEL="2", **extra)
-
-
-def launch(*args, workers=2, env=None, timeout=240):
-    """Runs `tfdp-launch` to its end."""
-    return subprocess.run(
-        [sys.executable, "-m", "tfdp.launch", f"--workers={workers}", *args],
-        capture_output=True,
-        text=True,
-        env=env or environment(),
-        timeout=timeout,
-    )
-
-
-def exported_weights(*model_dirs):
-    """Each model_dir's model.keras weights, read by Keras alone in one fresh process."""
-    code = (
-        "import sys, numpy, keras\n"
-        "for d in sys.argv[1:]:\n"
-        "    m = keras.models.load_model(d + '/model.keras')\n"
-        "    numpy.savez(d + '.weights.npz', *m.get_weights())\n"
-    )
-    subprocess.run(
-        [sys.executable, "-c", code, *map(str, model_dirs)],
-        check=True,
-        capture_output=True,
-        env=environment(),
-        timeout=120,
-    )
-    weights = []
-    for model_dir in model_dirs:
-        with np.load(f"{model_dir}.weights.npz") as arrays:  # beside it: model_dir stays as is
-            weights.append([arrays[f"arr_{i}"] for i in range(len(arrays.files))])
-    return weights
-
-
-def worker_lines(output, worker):
-    prefix = f"[worker {worker}] "
-    return [line[len(prefix) :] for line in output.splitlines() if line.startswith(prefix)]
+def single(model_dir, **changes):
+    """The toy run of TOY's flags in mode single, in this process: the lines it logged."""
+    config = Config(model="toy", batch_size=256, model_dir=str(model_dir), **changes)
+    return train(config)[1]
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +45,7 @@ def runs(tmp_path_factory):
     """Three runs of the same 3 steps: single, 2 workers with powers auto, and with 1,3."""
     root = tmp_path_factory.mktemp("runs")
     steps = [*TOY, "--iterations=3", "--log_every=1"]
-    single = tfdp(*steps, f"--model_dir={root / 'single'}")
-    assert single.returncode == 0, single.stderr
+    single_lines = single(root / "single", iterations=3, log_every=1)
     scratch = root / "tmp"
     scratch.mkdir()
     auto = launch(*steps, "--powers=auto", f"--model_dir={root / 'auto'}")
@@ -84,16 +58,15 @@ def runs(tmp_path_factory):
         env=environment(TMPDIR=str(scratch)),
     )
     assert uneven.returncode == 0, uneven.stderr
-    return {"root": root, "single": single, "auto": auto, "uneven": uneven}
+    return {"root": root, "single": single_lines, "auto": auto, "uneven": uneven}
 
 
 @pytest.mark.parametrize("name", ["auto", "uneven"])
 def test_two_workers_make_the_update_of_single(runs, name):
     root = runs["root"]
-    weights, single = exported_weights(root / name, root / "single")
-    for got, expected in zip(weights, single, strict=True):
+    for got, expected in zip(load_weights(root / name), load_weights(root / "single"), strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
-    single_log = [line for line in runs["single"].stdout.splitlines() if "accuracy" in line]
+    single_log = [line for line in runs["single"] if "accuracy" in line]
     for worker in (0, 1):
         log = [line for line in worker_lines(runs[name].stdout, worker) if "accuracy" in line]
         assert [line.split(", loss")[0] for line in log] == [
@@ -165,8 +138,7 @@ def test_rebalancing_workers_make_the_update_of_single_and_keep_the_split(tmp_pa
     model_dir = tmp_path / "rebalanced"
     rebalanced = launch(*steps, "--iterations=12", f"--model_dir={model_dir}")
     assert rebalanced.returncode == 0, rebalanced.stderr
-    single = tfdp(*TOY, "--iterations=12", f"--model_dir={tmp_path / 'single'}")
-    assert single.returncode == 0, single.stderr
+    single(tmp_path / "single", iterations=12)
 
     saved = result(str(model_dir))
     assert saved["rebalances"], "no re-split happened: the test shows nothing"
@@ -179,8 +151,7 @@ def test_rebalancing_workers_make_the_update_of_single_and_keep_the_split(tmp_pa
             f"rebalanced after iteration {r['iteration']}: shares {r['old']} -> {r['new']}"
             for r in saved["rebalances"]
         ]
-    weights, expected = exported_weights(model_dir, tmp_path / "single")
-    for got, want in zip(weights, expected, strict=True):
+    for got, want in zip(load_weights(model_dir), load_weights(tmp_path / "single"), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
     # The split survives a resume: the workers start from it instead of 128 + 128.
@@ -208,30 +179,17 @@ def straight_600(tmp_path_factory):
     return straight
 
 
-def start_workers(args, model_dir):
+def two_workers(args, model_dir):
     """Two workers started by hand, each with its own TF_CONFIG."""
-    return [
-        subprocess.Popen(
-            [sys.executable, "-m", "tfdp", "--mode=multiworker", *args, f"--model_dir={model_dir}"],
-            env=environment(TF_CONFIG=tf_config),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for tf_config in tf_configs(free_ports(2))
-    ]
+    return start_workers([*args, f"--model_dir={model_dir}"], tf_configs(free_ports(2)))
 
 
 def test_a_killed_worker_stops_the_other_and_a_restart_resumes(tmp_path, straight_600):
     args, straight = LONG, straight_600
     model_dir = str(tmp_path / "killed")
-    workers = start_workers(args, model_dir)
+    workers = two_workers(args, model_dir)
     try:
-        deadline = time.monotonic() + 120
-        while (latest_step(model_dir) or 0) < 150:
-            assert all(w.poll() is None for w in workers), workers[0].communicate()
-            assert time.monotonic() < deadline, "no checkpoint appeared"
-            time.sleep(0.05)
+        wait_for(lambda: (latest_step(model_dir) or 0) >= 150, workers, "a checkpoint", 120)
         workers[1].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         _, stderr = workers[0].communicate(timeout=120)
@@ -259,20 +217,15 @@ def test_a_killed_worker_stops_the_other_and_a_restart_resumes(tmp_path, straigh
         assert f"resuming at iteration {stopped_at} from" in worker_lines(resumed.stdout, worker)[1]
     assert result(model_dir)["start_iteration"] == stopped_at
     assert result(model_dir)["iterations"] == latest_step(model_dir) == 600
-    resumed_weights, straight_weights = exported_weights(model_dir, straight)
-    for got, expected in zip(resumed_weights, straight_weights, strict=True):
+    for got, expected in zip(load_weights(model_dir), load_weights(straight), strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
 
 
 def test_sigterm_to_one_worker_stops_both_at_the_same_saved_step(tmp_path, straight_600):
     model_dir = str(tmp_path / "stopped")
-    workers = start_workers(LONG, model_dir)
+    workers = two_workers(LONG, model_dir)
     try:
-        deadline = time.monotonic() + 120
-        while (latest_step(model_dir) or 0) < 100:
-            assert all(w.poll() is None for w in workers), workers[0].communicate()
-            assert time.monotonic() < deadline, "no checkpoint appeared"
-            time.sleep(0.05)
+        wait_for(lambda: (latest_step(model_dir) or 0) >= 100, workers, "a checkpoint", 120)
         workers[1].send_signal(signal.SIGTERM)  # as a scheduler preempting one machine
         outputs = [w.communicate(timeout=120) for w in workers]
     finally:
@@ -294,8 +247,7 @@ def test_sigterm_to_one_worker_stops_both_at_the_same_saved_step(tmp_path, strai
     resumed = launch(*LONG, f"--model_dir={model_dir}")
     assert resumed.returncode == 0, resumed.stderr
     assert result(model_dir)["start_iteration"] == stopped_at
-    resumed_weights, straight_weights = exported_weights(model_dir, straight_600)
-    for got, expected in zip(resumed_weights, straight_weights, strict=True):
+    for got, expected in zip(load_weights(model_dir), load_weights(straight_600), strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
 
 
@@ -347,20 +299,31 @@ BAD_TF_CONFIGS = [
 
 
 @pytest.mark.parametrize("tf_config, reason", BAD_TF_CONFIGS)
-def test_bad_tf_config_fails_early(tf_config, reason, tmp_path):
-    env = environment(**({} if tf_config is None else {"TF_CONFIG": tf_config}))
+def test_bad_tf_config_fails_early(tf_config, reason, tmp_path, monkeypatch):
+    if tf_config is None:
+        monkeypatch.delenv("TF_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("TF_CONFIG", tf_config)
+    monkeypatch.chdir(tmp_path)
+    error, line = refusal("--mode=multiworker", "--model=toy")
+    assert (error.field, error.value) == ("TF_CONFIG", tf_config or "")
+    assert line.startswith(f"tfdp: error: TF_CONFIG={tf_config or ''}: ")
+    assert reason in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_tf_config_is_one_line_and_exit_2_before_tensorflow(tmp_path):
     process = subprocess.run(
         [sys.executable, "-m", "tfdp", "--mode=multiworker", "--model=toy"],
         capture_output=True,
         text=True,
-        env=env,
+        env=environment(),
         cwd=tmp_path,
         timeout=120,
     )
     assert process.returncode == 2
     [line] = own_stderr_lines(process)
-    assert line.startswith(f"tfdp: error: TF_CONFIG={tf_config or ''}: ")
-    assert reason in line
+    assert line.startswith("tfdp: error: TF_CONFIG=: is not set; mode multiworker reads")
     assert process.stdout == "" and list(tmp_path.iterdir()) == []
 
 
@@ -375,18 +338,13 @@ BAD_FLAGS = [
 
 
 @pytest.mark.parametrize("args, message", BAD_FLAGS)
-def test_bad_multiworker_flags(args, message, tmp_path):
-    process = subprocess.run(
-        [sys.executable, "-m", "tfdp", "--mode=multiworker", "--model=toy", *args],
-        capture_output=True,
-        text=True,
-        env=environment(TF_CONFIG=TF_CONFIG),
-        cwd=tmp_path,
-        timeout=120,
-    )
-    assert process.returncode == 2
-    [line] = own_stderr_lines(process)
-    assert line.startswith("tfdp: error: ") and message in line
+def test_bad_multiworker_flags(args, message, tmp_path, monkeypatch):
+    # every one is found before the worker joins the cluster
+    monkeypatch.setenv("TF_CONFIG", TF_CONFIG)
+    monkeypatch.chdir(tmp_path)
+    _, line = refusal("--mode=multiworker", "--model=toy", *args)
+    assert line.startswith("tfdp: error: ") and message in line, line
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(
@@ -467,13 +425,20 @@ def test_two_workers_make_the_single_update_for_a_user_model(tmp_path):
         "--iterations=6",
         "--progress=never",
     ]
-    single = tfdp(*steps, f"--model_dir={tmp_path / 'single'}")
-    assert single.returncode == 0, single.stderr
+    train(
+        Config(
+            model=f"{source}:model",
+            dataset=f"{source}:data",
+            batch_size=60,
+            iterations=6,
+            model_dir=str(tmp_path / "single"),
+        )
+    )
     workers = launch(*steps, "--powers=1,3", f"--model_dir={tmp_path / 'workers'}")
     assert workers.returncode == 0, workers.stderr
     assert "global batch 60 = 15 + 45 over 2 worker(s)" in workers.stdout
-    got, expected = exported_weights(tmp_path / "workers", tmp_path / "single")
-    start = [np.asarray(w) for w in exported_start(source)]
+    got, expected = load_weights(tmp_path / "workers"), load_weights(tmp_path / "single")
+    start = initial_weights_of(source)
     assert min(np.abs(w - w0).max() for w, w0 in zip(expected, start)) > 1e-4  # all moved
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
@@ -482,19 +447,11 @@ def test_two_workers_make_the_single_update_for_a_user_model(tmp_path):
     )
 
 
-def exported_start(source):
-    code = (
-        "import sys, numpy, importlib.util\n"
-        "spec = importlib.util.spec_from_file_location('user', sys.argv[1])\n"
-        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
-        "numpy.savez(sys.argv[1] + '.start.npz', *module.model().get_weights())\n"
-    )
-    subprocess.run(
-        [sys.executable, "-c", code, str(source)],
-        check=True,
-        capture_output=True,
-        env=environment(),
-        timeout=120,
-    )
-    with np.load(f"{source}.start.npz") as arrays:
-        return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+def initial_weights_of(source):
+    """The weights the user's model function builds."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("two_inputs_user", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.model().get_weights()

@@ -1,7 +1,6 @@
 """oneDNN's CPU kernels: tfdp's commands turn them on unless told otherwise, and say so;
 importing tfdp as a library changes nothing."""
 
-import json
 import os
 import platform
 import subprocess
@@ -95,64 +94,59 @@ def test_tensorflow_default_env_for_a_child_process(monkeypatch, user_value, exp
 TENSORFLOW_SAYS_ON = "oneDNN custom operations are on"
 
 
-def run_logged(command, env_changes, tmp_path):
-    """Runs `command` with oneDNN's variables only as given and TensorFlow's info log on;
-    returns the result.json it wrote and whether TensorFlow logged its kernels on."""
+def run_logged(entry, env_changes):
+    """Loads TensorFlow after `entry` (the command's module, or tfdp as a library) with
+    oneDNN's variables only as given and TensorFlow's info log on; returns what
+    `onednn.enabled()` says (what every result.json records) and whether TensorFlow
+    logged its kernels on."""
     env = {k: v for k, v in os.environ.items() if k not in ("TF_ENABLE_ONEDNN_OPTS", "TFDP_ONEDNN")}
     env.update(env_changes, TF_CPP_MIN_LOG_LEVEL="0")
-    path = tmp_path / "result.json"
+    code = f"import {entry}, tensorflow; from tfdp import onednn; print(onednn.enabled())"
     process = subprocess.run(
-        [sys.executable, *command(path)], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
     )
     assert process.returncode == 0, process.stderr[-3000:]
-    result = json.loads(path.read_text())
-    return result["onednn"], TENSORFLOW_SAYS_ON in process.stderr
+    recorded = {"True": True, "False": False}[process.stdout.strip().splitlines()[-1]]
+    return recorded, TENSORFLOW_SAYS_ON in process.stderr
 
 
-def cli(path):
-    return ["-m", "tfdp", "--mode=single", "--model=toy", "--iterations=2", f"--result_json={path}"]
-
-
-def library(path):
-    """`tfdp.train` from Python, with no entry point to turn the kernels on."""
-    code = (
-        "import json, sys, tfdp; "
-        "r = tfdp.train(tfdp.Config(mode='single', devices='cpu:0', model='toy', iterations=2), "
-        "log=lambda line: None); "
-        "open(sys.argv[1], 'w').write(json.dumps({'onednn': r['onednn']}))"
-    )
-    return ["-c", code, str(path)]
-
-
+CLI, LIBRARY = "tfdp.cli", "tfdp"  # the command turns the kernels on when imported
 X86_ONLY = pytest.mark.skipif(not X86_64, reason="tfdp sets the variable on x86-64 only")
 
 
 @pytest.mark.parametrize(
-    "command, env_changes, expected",
+    "entry, env_changes, expected",
     [
-        (cli, {"TF_ENABLE_ONEDNN_OPTS": "0"}, False),
-        (library, {"TF_ENABLE_ONEDNN_OPTS": "0"}, False),
-        pytest.param(cli, {"TF_ENABLE_ONEDNN_OPTS": "1"}, True, marks=X86_ONLY),
-        pytest.param(library, {"TF_ENABLE_ONEDNN_OPTS": "1"}, True, marks=X86_ONLY),
-        pytest.param(cli, {}, True, marks=X86_ONLY),  # the command turns them on
+        (CLI, {"TF_ENABLE_ONEDNN_OPTS": "0"}, False),
+        (LIBRARY, {"TF_ENABLE_ONEDNN_OPTS": "0"}, False),
+        pytest.param(CLI, {"TF_ENABLE_ONEDNN_OPTS": "1"}, True, marks=X86_ONLY),
+        pytest.param(LIBRARY, {"TF_ENABLE_ONEDNN_OPTS": "1"}, True, marks=X86_ONLY),
+        pytest.param(CLI, {}, True, marks=X86_ONLY),  # the command turns them on
     ],
     ids=["cli, off", "library, off", "cli, on", "library, on", "cli, unset"],
 )
-def test_the_result_records_it(command, env_changes, expected, tmp_path):
-    recorded, tensorflow_says_on = run_logged(command, env_changes, tmp_path)
+def test_the_result_records_it(entry, env_changes, expected):
+    recorded, tensorflow_says_on = run_logged(entry, env_changes)
     assert recorded is expected
     assert tensorflow_says_on is expected
 
 
 @pytest.mark.parametrize(
-    "command, env_changes",
-    [(cli, {"TFDP_ONEDNN": "tensorflow"}), (library, {})],
+    "entry, env_changes",
+    [(CLI, {"TFDP_ONEDNN": "tensorflow"}), (LIBRARY, {})],
     ids=["cli, TFDP_ONEDNN=tensorflow", "library, unset"],
 )
-def test_with_tensorflows_default_the_result_agrees_with_tensorflows_log(
-    command, env_changes, tmp_path
-):
+def test_with_tensorflows_default_the_result_agrees_with_tensorflows_log(entry, env_changes):
     # TensorFlow's default depends on the CPU: its own start-up log says which it chose.
-    recorded, tensorflow_says_on = run_logged(command, env_changes, tmp_path)
+    recorded, tensorflow_says_on = run_logged(entry, env_changes)
     assert isinstance(recorded, bool)
     assert recorded is tensorflow_says_on
+
+
+def test_every_result_holds_what_this_process_runs():
+    from helpers import toy_config, train
+
+    from tfdp import onednn
+
+    result, _ = train(toy_config(iterations=1))
+    assert result["onednn"] is onednn.enabled() is not None

@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import write_idx
 
 from tfdp import Config
 from tfdp.data import make_toy_data
@@ -40,13 +41,6 @@ def read_idx(path, header):
         return np.frombuffer(f.read(), np.uint8, offset=header)
 
 
-def write_idx(path, magic, array):
-    """A gzipped IDX file: the magic number, each dimension, then the bytes."""
-    header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
-    with gzip.open(path, "wb") as f:
-        f.write(header + array.astype(np.uint8).tobytes())
-
-
 @pytest.fixture(scope="module")
 def small_mnist(mnist_dir, tmp_path_factory):
     """The first examples of real MNIST, as raw arrays and as an IDX directory for tfdp."""
@@ -60,8 +54,8 @@ def small_mnist(mnist_dir, tmp_path_factory):
     test = split("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz", LENET_TEST)
     directory = tmp_path_factory.mktemp("mnist")
     for (images, labels), prefix in ((train, "train"), (test, "t10k")):
-        write_idx(directory / f"{prefix}-images-idx3-ubyte.gz", 2051, images)
-        write_idx(directory / f"{prefix}-labels-idx1-ubyte.gz", 2049, labels)
+        write_idx(directory / f"{prefix}-images-idx3-ubyte.gz", images, 2051)
+        write_idx(directory / f"{prefix}-labels-idx1-ubyte.gz", labels, 2049)
     return {
         "dir": str(directory),
         "train": (as_inputs(train[0]), train[1].astype(np.int32)),

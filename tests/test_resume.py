@@ -1,7 +1,9 @@
-"""Checkpoints, exact resume after SIGKILL, export, summaries and the guards.
+"""Checkpoints, exact resume after SIGKILL and signals, export, summaries and the guards.
 
-Each run is a `tfdp` subprocess on 2 logical CPUs with the toy model, so that
-a kill is a real SIGKILL of a real training process.
+The toy model on 2 logical CPUs. A run that is killed or signalled is a `tfdp`
+subprocess, so that a kill is a real SIGKILL of a real training process; the
+straight runs it is compared with, and the resumes, run in this process
+(`tfdp.train`, the same devices and the same numbers).
 """
 
 import json
@@ -14,70 +16,49 @@ import time
 
 import numpy as np
 import pytest
-from conftest import own_stderr_lines, tfdp
+from helpers import (
+    TOY,
+    TOY_MODE_FLAGS,
+    TOY_MODES,
+    assert_same_run,
+    environment,
+    kill_when,
+    latest_step,
+    load_weights,
+    result,
+    tfdp,
+    toy_config,
+    train,
+    wait_for,
+)
 
-TOY = ["--model=toy", "--logical_cpus=2", "--batch_size=100", "--progress=never"]
-MODES = {
-    "mirrored": ["--mode=mirrored"],
-    "weighted": ["--mode=weighted", "--powers=1,3"],
-}
+from tfdp.errors import ConfigError
+from tfdp.training import NonFinite
 
-
-def latest_step(model_dir):
-    """The step of the checkpoint the index file points at, or None."""
-    index = os.path.join(model_dir, "checkpoints", "checkpoint")
-    try:
-        first = open(index).readline()
-    except FileNotFoundError:
-        return None
-    return int(first.rsplit("ckpt-", 1)[1].strip().strip('"'))
-
-
-def kill_when(process, ready, timeout=300):
-    """SIGKILLs `process` as soon as `ready()` holds; fails if it ended first."""
-    deadline = time.monotonic() + timeout
-    while not ready():
-        assert process.poll() is None, f"ended before the kill: {process.communicate()}"
-        assert time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert process.returncode == -signal.SIGKILL
+ITERATIONS = 600  # far longer than the time to the kills
+KILLED = {"mirrored", "weighted"}
 
 
-def load_weights(model_dir):
-    """The exported model's weights, read by Keras alone in a fresh process."""
-    code = (
-        "import sys, numpy, keras; "
-        "m = keras.models.load_model(sys.argv[1]); "
-        "assert 'tfdp' not in sys.modules; "
-        "numpy.savez(sys.argv[2], *m.get_weights())"
+def run_config(mode, model_dir, **changes):
+    """The config of the runs of `mode` that are killed, as `run_flags` gives them."""
+    return toy_config(
+        **TOY_MODES[mode],
+        iterations=ITERATIONS,
+        checkpoint_every=50,
+        model_dir=str(model_dir),
+        **changes,
     )
-    out = os.path.join(model_dir, "weights.npz")
-    subprocess.run(
-        [sys.executable, "-c", code, os.path.join(model_dir, "model.keras"), out],
-        check=True,
-        capture_output=True,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-    )
-    with np.load(out) as arrays:
-        return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
 
 
-def result(model_dir):
-    with open(os.path.join(model_dir, "result.json")) as f:
-        return json.load(f)
-
-
-def assert_same_run(a, b):
-    for x, y in zip(load_weights(a), load_weights(b), strict=True):
-        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
-    assert result(a)["iterations"] == result(b)["iterations"]
-    # The resumed run logs from where it resumed: the same numbers as the straight run.
-    straight = {entry["iteration"]: entry for entry in result(a)["log"]}
-    for entry in result(b)["log"]:
-        assert entry == pytest.approx(straight[entry["iteration"]], rel=1e-5)
-    assert result(a)["test_accuracy"] == result(b)["test_accuracy"]
+def run_flags(mode, model_dir, *more):
+    return [
+        *TOY,
+        *TOY_MODE_FLAGS[mode],
+        f"--iterations={ITERATIONS}",
+        "--checkpoint_every=50",
+        f"--model_dir={model_dir}",
+        *more,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -88,48 +69,48 @@ def straight_run(tmp_path_factory):
     def run(mode):
         if mode not in runs:
             model_dir = str(tmp_path_factory.mktemp(f"straight-{mode}"))
-            args = [*TOY, *MODES[mode], "--iterations=1500", "--checkpoint_every=50"]
-            process = tfdp(*args, f"--model_dir={model_dir}")
-            assert process.returncode == 0, process.stderr
-            runs[mode] = args, model_dir
+            train(run_config(mode, model_dir))
+            runs[mode] = model_dir
         return runs[mode]
 
     return run
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+def resume(mode, model_dir, **changes):
+    """Runs `mode`'s run in `model_dir` to its end; returns the lines it logged."""
+    _, lines = train(run_config(mode, model_dir, **changes))
+    return lines
+
+
+@pytest.mark.parametrize("mode", sorted(KILLED))
 def test_resume_after_sigkill_is_exact(mode, straight_run, tmp_path):
-    args, straight = straight_run(mode)
+    straight = straight_run(mode)
     model_dir = str(tmp_path)
-    killed = tfdp(*args, f"--model_dir={model_dir}", wait=False)
+    killed = tfdp(*run_flags(mode, model_dir), wait=False)
     kill_when(killed, lambda: (latest_step(model_dir) or 0) >= 100)
     stopped_at = latest_step(model_dir)
-    assert stopped_at < 1500 and not os.path.exists(os.path.join(model_dir, "model.keras"))
+    assert stopped_at < ITERATIONS and not os.path.exists(os.path.join(model_dir, "model.keras"))
 
-    resumed = tfdp(*args, f"--model_dir={model_dir}")
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"resuming at iteration {stopped_at}" in resumed.stdout
+    lines = resume(mode, model_dir)
+    assert any(f"resuming at iteration {stopped_at}" in line for line in lines)
     assert result(model_dir)["start_iteration"] == stopped_at
-    assert latest_step(model_dir) == 1500
+    assert latest_step(model_dir) == ITERATIONS
     assert_same_run(straight, model_dir)
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("mode", sorted(KILLED))
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_saves_the_step_and_the_restart_is_exact(mode, signum, straight_run, tmp_path):
-    args, straight = straight_run(mode)
+    straight = straight_run(mode)
     model_dir = str(tmp_path)
-    stopped = tfdp(*args, f"--model_dir={model_dir}", wait=False)
-    deadline = time.monotonic() + 300
-    while (latest_step(model_dir) or 0) < 100:  # mid-run, and past a scheduled save
-        assert stopped.poll() is None, f"ended before the signal: {stopped.communicate()}"
-        assert time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.02)
+    stopped = tfdp(*run_flags(mode, model_dir), wait=False)
+    # mid-run, and past a scheduled save
+    wait_for(lambda: (latest_step(model_dir) or 0) >= 100, [stopped], "a checkpoint")
     stopped.send_signal(signum)
     _, err = stopped.communicate(timeout=300)
     assert stopped.returncode == 128 + signum, err  # the conventional status: it was running
     step = latest_step(model_dir)
-    assert 100 <= step < 1500
+    assert 100 <= step < ITERATIONS
     name = signal.Signals(signum).name
     [line] = [line for line in err.splitlines() if line.startswith("tfdp: ")]
     assert line == (
@@ -138,22 +119,17 @@ def test_a_signal_saves_the_step_and_the_restart_is_exact(mode, signum, straight
     )
     assert not os.path.exists(os.path.join(model_dir, "model.keras"))
 
-    resumed = tfdp(*args, f"--model_dir={model_dir}")
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"resuming at iteration {step}" in resumed.stdout
+    lines = resume(mode, model_dir)
+    assert any(f"resuming at iteration {step}" in line for line in lines)
     assert_same_run(straight, model_dir)
 
 
 def save_period(process, model_dir, saves=5, timeout=300):
     """Seconds per save of a run saving at every step, timed over `saves` index updates
     once it has saved at least once; the process must keep running meanwhile."""
-    deadline = time.monotonic() + timeout
 
     def wait_past(step):
-        while (latest_step(model_dir) or 0) <= step:
-            assert process.poll() is None, f"ended before the kill: {process.communicate()}"
-            assert time.monotonic() < deadline, f"no checkpoint after iteration {step}"
-            time.sleep(0.005)
+        wait_for(lambda: (latest_step(model_dir) or 0) > step, [process], "a checkpoint", timeout)
         return latest_step(model_dir), time.monotonic()
 
     first, began = wait_past(latest_step(model_dir) or 0)
@@ -165,9 +141,9 @@ def test_kills_during_checkpoint_writes(straight_run, tmp_path):
     """SIGKILLs at moments spread over a save: saving at every step, nearly all of a
     step's time goes to writing its checkpoint, and kill k of K lands at a random
     point of the k-th K-th of a save's duration after an index update."""
-    args, straight = straight_run("weighted")
+    straight = straight_run("weighted")
     model_dir = str(tmp_path)
-    every_step = [*args, f"--model_dir={model_dir}", "--checkpoint_every=1"]
+    every_step = run_flags("weighted", model_dir, "--checkpoint_every=1")
     seed = random.randrange(2**32)
     rng = random.Random(seed)
     kills = 4
@@ -178,18 +154,17 @@ def test_kills_during_checkpoint_writes(straight_run, tmp_path):
         time.sleep(delay)
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=60)
-        # Killed, not ended: it was still saving (1500 steps take far longer than this).
+        # Killed, not ended: it was still saving (600 steps take far longer than this).
         assert process.returncode == -signal.SIGKILL, (seed, process.communicate())
-    finished = tfdp(*every_step)
-    assert finished.returncode == 0, finished.stderr
-    assert "resuming at iteration" in finished.stdout
+    # The rest of the run saves as the straight one did: what it resumes from is the test.
+    lines = resume("weighted", model_dir)
+    assert any("resuming at iteration" in line for line in lines), lines
     assert_same_run(straight, model_dir)
 
 
 def test_leftovers_of_a_torn_save_do_not_break_the_next_start(tmp_path):
     model_dir = str(tmp_path)
-    args = [*TOY, "--iterations=40", "--checkpoint_every=20", f"--model_dir={model_dir}"]
-    assert tfdp(*args).returncode == 0
+    train(toy_config(iterations=40, checkpoint_every=20, model_dir=model_dir))
     # What a save killed half-way leaves: a temporary directory and files of a
     # checkpoint that the index file does not name yet.
     checkpoints = os.path.join(model_dir, "checkpoints")
@@ -198,72 +173,71 @@ def test_leftovers_of_a_torn_save_do_not_break_the_next_start(tmp_path):
         f.write(b"\x00" * 100)
     with open(os.path.join(checkpoints, "ckpt-60.index"), "wb") as f:
         f.write(b"truncated")
-    more = [a if not a.startswith("--iterations") else "--iterations=80" for a in args]
-    process = tfdp(*more)
-    assert process.returncode == 0, process.stderr
-    assert "resuming at iteration 40" in process.stdout
+    _, lines = train(toy_config(iterations=80, checkpoint_every=20, model_dir=model_dir))
+    assert any("resuming at iteration 40" in line for line in lines)
     assert latest_step(model_dir) == 80
 
 
 def test_incompatible_checkpoint_is_an_error(tmp_path):
     model_dir = str(tmp_path)
-    assert tfdp(*TOY, "--iterations=5", f"--model_dir={model_dir}").returncode == 0
+    train(toy_config(iterations=5, model_dir=model_dir))
     before = sorted(os.listdir(os.path.join(model_dir, "checkpoints")))
 
-    other = tfdp(*TOY, "--iterations=5", "--hidden_units=32", f"--model_dir={model_dir}")
-    assert other.returncode == 2
-    [line] = own_stderr_lines(other)
-    assert line.startswith(
-        f"tfdp: error: --model_dir={model_dir}: holds checkpoints of another run"
-    )
-    assert "hidden_units 64 (now 32)" in line
+    with pytest.raises(ConfigError) as other:
+        train(toy_config(iterations=5, hidden_units=32, model_dir=model_dir))
+    assert (other.value.field, other.value.value) == ("model_dir", model_dir)
+    assert other.value.reason.startswith("holds checkpoints of another run")
+    assert "hidden_units 64 (now 32)" in other.value.reason
 
     # Without run.json, the checkpoint itself is checked against the model.
     os.remove(os.path.join(model_dir, "run.json"))
-    other = tfdp(*TOY, "--iterations=5", "--hidden_units=32", f"--model_dir={model_dir}")
-    assert other.returncode == 2, other.stderr
-    [line] = own_stderr_lines(other)
-    assert "does not fit this model" in line and "Traceback" not in other.stderr
+    with pytest.raises(ConfigError) as other:
+        train(toy_config(iterations=5, hidden_units=32, model_dir=model_dir))
+    assert other.value.field == "model_dir" and "does not fit this model" in other.value.reason
+    assert "\n" not in other.value.reason
     assert sorted(os.listdir(os.path.join(model_dir, "checkpoints"))) == before
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     model_dir = str(tmp_path)
-    process = tfdp(
-        *TOY,
-        "--learning_rate=1e30",
-        "--checkpoint_every=1",
-        "--iterations=30",
-        f"--model_dir={model_dir}",
-    )
-    assert process.returncode == 1
-    [line] = own_stderr_lines(process)
-    assert line == (
-        "tfdp: error: the loss became non-finite at iteration 1; stopped before saving that "
+    with pytest.raises(NonFinite) as stopped:
+        train(
+            toy_config(learning_rate=1e30, checkpoint_every=1, iterations=30, model_dir=model_dir)
+        )
+    assert str(stopped.value) == (
+        "the loss became non-finite at iteration 1; stopped before saving that "
         f"state; the last good checkpoint is {model_dir}/checkpoints/ckpt-1"
     )
     assert latest_step(model_dir) == 1
     assert not os.path.exists(os.path.join(model_dir, "model.keras"))
 
 
-def test_export_summaries_and_result(tmp_path):
+# model.keras read by Keras alone, in a process that never imported tfdp.
+KERAS_ALONE = (
+    "import sys, numpy, keras; "
+    "m = keras.models.load_model(sys.argv[1]); "
+    "assert 'tfdp' not in sys.modules; "
+    "numpy.savez(sys.argv[2], *m.get_weights())"
+)
+
+
+def test_export_summaries_and_result(tmp_path, capsys):
     import tensorflow as tf
 
-    model_dir = str(tmp_path)
-    process = tfdp(
-        *TOY,
-        "--mode=weighted",
-        "--powers=1,3",
-        "--iterations=30",
-        "--eval_every=10",
-        f"--model_dir={model_dir}",
-        "--progress=always",
+    model_dir = str(tmp_path / "run")
+    saved, lines = train(
+        toy_config(
+            **TOY_MODES["weighted"],
+            iterations=30,
+            eval_every=10,
+            model_dir=model_dir,
+            progress=True,
+        )
     )
-    assert process.returncode == 0, process.stderr
-    saved = result(model_dir)
+    assert result(model_dir) == json.loads(json.dumps(saved))
     assert [e["iteration"] for e in saved["evals"]] == [10, 20, 30]
     assert saved["test_accuracy"] == saved["evals"][-1]["test_accuracy"] > 0.9
-    assert "iteration 30, test accuracy" in process.stdout
+    assert any(line.startswith("iteration 30, test accuracy") for line in lines)
 
     tags = {}
     for kind in ("train", "eval"):
@@ -282,55 +256,65 @@ def test_export_summaries_and_result(tmp_path):
     } <= set(tags)
     assert tags["test_accuracy"] == [10, 20, 30]
 
-    # The progress line on stderr, with step, speed and ETA (text mode reads its \r as \n).
-    assert "\nstep 30/30 | loss " in process.stderr
-    assert "images/s | ETA " in process.stderr
+    # The progress line on stderr, rewritten in place, with step, speed and ETA.
+    stderr = capsys.readouterr().err
+    assert "\rstep 30/30 | loss " in stderr
+    assert "images/s | ETA " in stderr
 
-    # model.keras holds the trained weights: same test accuracy without tfdp.
+    # model.keras holds the trained weights: the same test accuracy, read by Keras alone.
+    out = tmp_path / "weights.npz"
+    subprocess.run(
+        [sys.executable, "-c", KERAS_ALONE, os.path.join(model_dir, "model.keras"), str(out)],
+        check=True,
+        capture_output=True,
+        env=environment(),
+        timeout=300,
+    )
+    with np.load(out) as arrays:
+        weights = [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
     from tfdp.data import make_toy_data
 
-    weights = load_weights(model_dir)
     test = make_toy_data(0, num_examples=2000, split="test")
     hidden = np.maximum(test.images @ weights[0] + weights[1], 0)
     accuracy = np.mean(np.argmax(hidden @ weights[2] + weights[3], -1) == test.labels)
     assert accuracy == pytest.approx(saved["test_accuracy"], abs=1e-6)
+    for x, y in zip(weights, load_weights(model_dir), strict=True):
+        np.testing.assert_array_equal(x, y)
 
 
 def test_a_resumed_run_keeps_its_measured_split(tmp_path):
     model_dir = str(tmp_path)
-    args = [
-        *TOY,
-        "--mode=weighted",
-        "--powers=auto",
-        "--rebalance_every=2",
-        "--simulate_slowdown=cpu:1=4",
-        f"--model_dir={model_dir}",
-    ]
-    first = tfdp(*args, "--iterations=10")
-    assert first.returncode == 0, first.stderr
-    assert "auto powers, each device alone" in first.stdout
-    split = result(model_dir)["final_shards"]
+    settings = dict(
+        mode="weighted",
+        devices="cpu:0,cpu:1",
+        powers="auto",
+        rebalance_every=2,
+        simulate_slowdown="cpu:1=4",
+        model_dir=model_dir,
+    )
+    first, lines = train(toy_config(**settings, iterations=10))
+    assert any(line.startswith("auto powers, each device alone") for line in lines)
+    split = first["final_shards"]
     with open(os.path.join(model_dir, "shares.json")) as f:
         saved = json.load(f)
     assert saved["step"] == 10 and saved["shards"] == split
 
-    second = tfdp(*args, "--iterations=14")
-    assert second.returncode == 0, second.stderr
-    assert "resuming at iteration 10" in second.stdout
-    assert "auto powers" not in second.stdout  # not measured again
-    assert f"shares {split}: the split at iteration 10, from " in second.stdout
-    resumed = result(model_dir)
+    resumed, lines = train(toy_config(**settings, iterations=14))
+    assert any("resuming at iteration 10" in line for line in lines)
+    assert not any("auto powers" in line for line in lines)  # not measured again
+    assert any(f"shares {split}: the split at iteration 10, from " in line for line in lines)
     assert resumed["shards"] == split
     assert resumed["resumed_shares"]["shards"] == split
 
 
 def test_an_unreadable_shares_file_is_an_error(tmp_path):
     model_dir = str(tmp_path)
-    args = [*TOY, "--mode=weighted", "--powers=auto", f"--model_dir={model_dir}"]
-    assert tfdp(*args, "--iterations=4").returncode == 0
+    settings = dict(mode="weighted", devices="cpu:0,cpu:1", powers="auto", model_dir=model_dir)
+    train(toy_config(**settings, iterations=4))
     with open(os.path.join(model_dir, "shares.json"), "w") as f:
         f.write("{not json")
-    process = tfdp(*args, "--iterations=6")
-    assert process.returncode != 0
-    assert f"--model_dir={model_dir}: {model_dir}/shares.json is unreadable" in process.stderr
-    assert "delete it to measure the split again" in process.stderr
+    with pytest.raises(ConfigError) as refused:
+        train(toy_config(**settings, iterations=6))
+    assert (refused.value.field, refused.value.value) == ("model_dir", model_dir)
+    assert refused.value.reason.startswith(f"{model_dir}/shares.json is unreadable")
+    assert refused.value.reason.endswith("delete it to measure the split again")

@@ -8,8 +8,8 @@ import pytest
 def test_chains_sum_to_the_whole_shard(examples, chains):
     import tensorflow as tf
 
-    from tfdp.data import synthetic_mnist
     from tfdp.config import Config
+    from tfdp.data import synthetic_mnist
     from tfdp.models import build_model, built_in_spec
     from tfdp.steps import replica_gradients
 

@@ -2,12 +2,12 @@
 writers never replace a link or a stream and leave no temporary file, a full
 disk during a save keeps the last good checkpoint, and files honour the umask.
 
-Resumes are `tfdp` subprocesses with the toy model. Full and read-only
-filesystems are tiny tmpfs mounts (the tests run as root); where mounting is
-not allowed, those tests are skipped and say why.
+Resumes run in this process (`tfdp.train`) with the toy model; the command
+runs in a subprocess where its one line and exit status are the test. Full and
+read-only filesystems are tiny tmpfs mounts (the tests run as root); where
+mounting is not allowed, those tests are skipped and say why.
 """
 
-import contextlib
 import json
 import os
 import shutil
@@ -18,11 +18,23 @@ import types
 
 import numpy as np
 import pytest
-from conftest import own_stderr_lines, tfdp
-from test_resume import result
+from helpers import (
+    assert_same_run,
+    cli_in_process,
+    environment,
+    launch,
+    own_stderr_lines,
+    result,
+    tfdp,
+    tmpfs,
+    toy_config,
+    train,
+    worker_lines,
+)
 
 from tfdp.checkpoints import Checkpointer, StorageError, export_model, write_atomically
 from tfdp.config import Config
+from tfdp.errors import ConfigError
 
 TOY = ["--model=toy", "--batch_size=100", "--progress=never", "--checkpoint_every=10"]
 
@@ -31,21 +43,12 @@ def checkpoints(model_dir):
     return os.path.join(model_dir, "checkpoints")
 
 
-def load_weights(model_dir):
-    import keras
-
-    return keras.models.load_model(os.path.join(model_dir, "model.keras")).get_weights()
-
-
-def assert_same_run(straight, resumed):
-    """The resumed run ends with the straight run's weights and logs its numbers."""
-    for x, y in zip(load_weights(straight), load_weights(resumed), strict=True):
-        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
-    logged = {entry["iteration"]: entry for entry in result(straight)["log"]}
-    assert result(resumed)["log"], "the resumed run logged nothing"
-    for entry in result(resumed)["log"]:
-        assert entry == pytest.approx(logged[entry["iteration"]], rel=1e-5)
-    assert result(resumed)["test_accuracy"] == result(straight)["test_accuracy"]
+def toy_run(model_dir, iterations, **changes):
+    """The toy run of these tests (TOY's flags) in this process: the lines it logged."""
+    config = toy_config(
+        checkpoint_every=10, iterations=iterations, model_dir=str(model_dir), **changes
+    )
+    return train(config)[1]
 
 
 def index_names(model_dir):
@@ -60,8 +63,7 @@ def runs(tmp_path_factory):
     straight = str(tmp_path_factory.mktemp("straight"))
     twenty = str(tmp_path_factory.mktemp("twenty"))
     for model_dir, iterations in ((straight, 30), (twenty, 20)):
-        process = tfdp(*TOY, f"--iterations={iterations}", f"--model_dir={model_dir}")
-        assert process.returncode == 0, process.stderr
+        toy_run(model_dir, iterations)
     return straight, twenty
 
 
@@ -92,14 +94,13 @@ def test_a_damaged_latest_checkpoint_resumes_from_the_previous_one(runs, tmp_pat
     model_dir = copy_run(twenty, tmp_path)
     damage(model_dir, 20)
 
-    resumed = tfdp(*TOY, "--iterations=30", f"--model_dir={model_dir}")
-    assert resumed.returncode == 0, resumed.stderr
+    lines = toy_run(model_dir, 30)
     bad, good = (os.path.join(checkpoints(model_dir), f"ckpt-{s}") for s in (20, 10))
     aside = os.path.join(checkpoints(model_dir), "unreadable", "ckpt-20")
-    [skipped] = [line for line in resumed.stdout.splitlines() if line.startswith("skipped")]
+    [skipped] = [line for line in lines if line.startswith("skipped")]
     assert skipped.startswith(f"skipped checkpoint {bad}: {reason}")
     assert skipped.endswith(f"; moved its files to {aside}; resuming from {good}")
-    assert "resuming at iteration 10" in resumed.stdout
+    assert any("resuming at iteration 10" in line for line in lines)
     assert result(model_dir)["start_iteration"] == 10
     assert_same_run(straight, model_dir)
     # The damaged files are kept aside; the new ckpt-20 is the resumed run's own.
@@ -114,10 +115,9 @@ def test_a_garbled_index_resumes_from_the_newest_checkpoint(runs, tmp_path):
     with open(index, "w") as f:
         f.write('model_checkpoint_path: "ckpt-2\x00\x17garbage')
 
-    resumed = tfdp(*TOY, "--iterations=30", f"--model_dir={model_dir}")
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"the checkpoint index {index} is unreadable (" in resumed.stdout
-    assert "resuming at iteration 20" in resumed.stdout
+    lines = toy_run(model_dir, 30)
+    assert any(f"the checkpoint index {index} is unreadable (" in line for line in lines)
+    assert any("resuming at iteration 20" in line for line in lines)
     assert result(model_dir)["start_iteration"] == 20
     assert_same_run(straight, model_dir)
     assert index_names(model_dir)[0] == "ckpt-30"
@@ -130,13 +130,12 @@ def test_no_checkpoint_that_reads_back_is_an_error(runs, tmp_path):
     delete_index(model_dir, 10)
     before = sorted(os.listdir(checkpoints(model_dir)))
 
-    process = tfdp(*TOY, "--iterations=30", f"--model_dir={model_dir}")
-    assert process.returncode == 2, process.stderr
-    [line] = own_stderr_lines(process)
-    assert line.startswith(
-        f"tfdp: error: --model_dir={model_dir}: none of its checkpoints reads back (ckpt-20: "
-    )
-    assert "ckpt-10: its index file is missing" in line
+    with pytest.raises(ConfigError) as refused:
+        toy_run(model_dir, 30)
+    assert (refused.value.field, refused.value.value) == ("model_dir", model_dir)
+    reason = refused.value.reason
+    assert reason.startswith("none of its checkpoints reads back (ckpt-20: "), reason
+    assert "ckpt-10: its index file is missing" in reason
     assert sorted(os.listdir(checkpoints(model_dir))) == before  # nothing moved, nothing written
 
 
@@ -181,7 +180,7 @@ WRITE_TO_STDOUT = (
 
 
 def test_dev_stdout_prints_into_a_pipe_and_into_a_redirected_file(tmp_path):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env = environment()
     piped = subprocess.run(
         [sys.executable, "-c", WRITE_TO_STDOUT],
         check=False,
@@ -221,7 +220,7 @@ def test_files_honour_the_umask(tmp_path, umask):
         write_atomically(os.path.join(model_dir, "result.json"), "{}\n")
         export_model(tiny_model(), os.path.join(model_dir, "model.keras"))
         checkpointer = Checkpointer(
-            toy_config(model_dir), fake_trainer(tiny_model(), balanced=True)
+            checkpointed_config(model_dir), fake_trainer(tiny_model(), balanced=True)
         )
         checkpointer.save(1)
     finally:
@@ -232,26 +231,6 @@ def test_files_honour_the_umask(tmp_path, umask):
 
 
 # --- full and read-only filesystems ----------------------------------------
-
-
-@contextlib.contextmanager
-def tmpfs(directory, options):
-    """A tmpfs mounted at `directory` for the block; skips the test where mounting fails."""
-    os.makedirs(directory, exist_ok=True)
-    mount = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)],
-        check=False,
-        capture_output=True,
-        text=True,
-    )
-    if mount.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({mount.stderr.strip() or mount.returncode})")
-    try:
-        yield str(directory)
-    finally:
-        unmount = subprocess.run(["umount", str(directory)], check=False, capture_output=True)
-        if unmount.returncode != 0:
-            subprocess.run(["umount", "-l", str(directory)], check=True)
 
 
 @pytest.mark.parametrize(
@@ -292,7 +271,7 @@ def test_an_export_never_replaces_a_fifo(tmp_path):
     assert os.listdir(tmp_path) == ["model.keras"]
 
 
-def toy_config(model_dir, **changes):
+def checkpointed_config(model_dir, **changes):
     return Config(model="toy", model_dir=model_dir, **changes)
 
 
@@ -315,7 +294,9 @@ def test_a_full_disk_during_a_save_keeps_the_last_good_checkpoint(tmp_path):
     from tfdp.models import toy_mlp
 
     with tmpfs(tmp_path / "mnt", "size=300k") as model_dir:
-        config = toy_config(model_dir, hidden_units=200, keep_checkpoints=10)  # ~110 KB a save
+        config = checkpointed_config(
+            model_dir, hidden_units=200, keep_checkpoints=10
+        )  # ~110 KB a save
         checkpointer = Checkpointer(config, fake_trainer(toy_mlp(hidden_units=200)))
         model = checkpointer.trainer.model
         rng = np.random.default_rng(0)
@@ -350,7 +331,7 @@ def test_a_full_disk_during_a_save_keeps_the_last_good_checkpoint(tmp_path):
 
 def test_after_a_fallback_the_next_saves_continue_cleanly(tmp_path):
     model_dir = str(tmp_path)
-    config = toy_config(model_dir, keep_checkpoints=5)
+    config = checkpointed_config(model_dir, keep_checkpoints=5)
     checkpointer = Checkpointer(config, fake_trainer(tiny_model()))
     model = checkpointer.trainer.model
     rng = np.random.default_rng(0)
@@ -390,7 +371,7 @@ def test_after_a_fallback_the_next_saves_continue_cleanly(tmp_path):
 
 def test_without_an_index_file_the_checkpoints_are_found_by_their_files(tmp_path):
     model_dir = str(tmp_path)
-    config = toy_config(model_dir)
+    config = checkpointed_config(model_dir)
     checkpointer = Checkpointer(config, fake_trainer(tiny_model()))
     model = checkpointer.trainer.model
     for step in (10, 20):
@@ -414,9 +395,12 @@ def test_without_an_index_file_the_checkpoints_are_found_by_their_files(tmp_path
 
 def test_the_cli_on_a_full_disk_stops_in_one_line_and_the_last_checkpoint_resumes(tmp_path):
     # Each checkpoint of this model takes 144 KB: the first fits in 200 KiB, the second not.
+    # the threads of this process's runs, which the resume continues with
     args = [*TOY, "--hidden_units=256", "--checkpoint_every=5", "--iterations=20"]
+    args.append("--intra_op_threads=0")
+    settings = dict(hidden_units=256, checkpoint_every=5, iterations=20)
     straight = str(tmp_path / "straight")
-    assert tfdp(*args, f"--model_dir={straight}").returncode == 0
+    train(toy_config(**settings, model_dir=straight))
     with tmpfs(tmp_path / "mnt", "size=200k") as disk:
         model_dir = os.path.join(disk, "run")
         process = tfdp(*args, f"--model_dir={model_dir}")
@@ -430,10 +414,9 @@ def test_the_cli_on_a_full_disk_stops_in_one_line_and_the_last_checkpoint_resume
             "ckpt-5.index",
         ]
         moved = copy_run(model_dir, tmp_path)  # to a disk with room
-    resumed = tfdp(*args, f"--model_dir={moved}")
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resuming at iteration 5" in resumed.stdout
-    assert "skipped" not in resumed.stdout  # the last good checkpoint reads back as it is
+    _, lines = train(toy_config(**settings, model_dir=moved))
+    assert any("resuming at iteration 5" in line for line in lines)
+    assert not any("skipped" in line for line in lines)  # the last good one reads back as it is
     assert_same_run(straight, moved)
 
 
@@ -447,15 +430,14 @@ def test_result_json_goes_to_stdout_and_through_a_symlink(tmp_path):
 
     (tmp_path / "results").mkdir()
     os.symlink("results/latest.json", tmp_path / "link.json")
-    linked = tfdp(*args, "--progress=never", f"--result_json={tmp_path / 'link.json'}")
-    assert linked.returncode == 0, linked.stderr
+    # the command's main function, in this process (which has its logical CPUs already)
+    flags = [a for a in args if not a.startswith("--logical_cpus")] + ["--intra_op_threads=0"]
+    assert cli_in_process(*flags, f"--result_json={tmp_path / 'link.json'}") == 0
     assert os.path.islink(tmp_path / "link.json")
     assert json.loads((tmp_path / "results" / "latest.json").read_text())["iterations"] == 2
 
 
 def test_a_chief_that_cannot_write_says_so_in_a_cluster(tmp_path):
-    from test_multiworker import launch, worker_lines
-
     args = [*TOY, "--hidden_units=256", "--checkpoint_every=5", "--iterations=20"]
     with tmpfs(tmp_path / "mnt", "size=200k") as disk:
         model_dir = os.path.join(disk, "run")

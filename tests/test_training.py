@@ -94,9 +94,8 @@ def test_epochs_count_whole_passes_over_the_data():
 
 @pytest.mark.mnist
 def test_evaluation_is_the_same_on_every_device_set(mnist_dir):
-    from conftest import CPUS
-
     import tensorflow as tf
+    from helpers import CPUS
 
     from tfdp.data import load_mnist_idx
     from tfdp.models import build_model, built_in_spec

@@ -3,18 +3,18 @@ plain Keras makes on the whole global batch (its compiled loss with sample weigh
 model.losses, its optimizer with global clipping), and bad models and data are
 refused before any work."""
 
+import helpers
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import CPUS
+from helpers import CPUS, cli_in_process, refusal
+from helpers import tfdp as run_tfdp
 
 import tfdp
 from tfdp import Config, ConfigError
 from tfdp.data import train_dataset
 from tfdp.models import model_spec
-from tfdp.trainers import build_trainer
-from tfdp.training import partition, step_metrics
 
 BATCH = 60
 SEED = 3
@@ -69,11 +69,7 @@ def train_steps(mode, devices, powers, steps, data, make=two_input_model, **opti
         **options,
     )
     spec = model_spec(make, {"train_data": tfdp_first(data)})
-    trainer = build_trainer(config, devices, partition(config, devices), spec)
-    iterator = trainer.distribute(train_dataset(data, BATCH, SEED))
-    for _ in range(steps):
-        metrics = trainer.train_step(iterator)
-    return trainer, step_metrics(trainer.objective, metrics)
+    return helpers.train_steps(config, devices, data, steps, spec)
 
 
 def tfdp_first(data, count=2):
@@ -132,7 +128,7 @@ def test_every_mode_makes_the_single_update(mode, devices, powers, options, step
 def test_clipping_acts_on_the_summed_gradient(data):
     """With clipping per shard, the update would depend on the split."""
     trainer, _ = train_steps("weighted", CPUS[:2], (1, 5), 1, data)
-    unclipped = lambda: two_input_model_with(keras.optimizers.Adam(0.01))  # noqa: E731
+    unclipped = lambda: two_input_model_with(keras.optimizers.Adam(0.01))
     free, _ = train_steps("weighted", CPUS[:2], (1, 5), 1, data, make=unclipped)
     # Adam's first step moves each weight by about lr x sign: clipping shows in the moments
     assert not np.allclose(
@@ -147,7 +143,7 @@ def two_input_model_with(optimizer):
 
 
 def test_synchronized_batch_norm_is_exact_in_mirrored(data):
-    make = lambda: two_input_model(batch_norm=True)  # noqa: E731
+    make = lambda: two_input_model(batch_norm=True)
     single, _ = train_steps("single", CPUS[:1], (), 2, data, make=make)
     for devices, powers, options in (
         (CPUS[:3], (), {"mode": "mirrored"}),
@@ -162,7 +158,7 @@ def test_synchronized_batch_norm_is_exact_in_mirrored(data):
 def test_weighted_batch_norm_keeps_the_whole_batch_moving_mean(data):
     """Per-shard batch statistics change the forward pass, but the moving mean after the
     first step is the whole batch's, however the batch was split."""
-    make = lambda: two_input_model(batch_norm=False)  # noqa: E731
+    make = lambda: two_input_model(batch_norm=False)
     single, _ = train_steps("single", CPUS[:1], (), 1, data, make=make)
     weighted, _ = train_steps("weighted", CPUS[:2], (1, 3), 1, data, make=make)
     names = [w.path for w in single.model.weights]
@@ -299,28 +295,28 @@ def user_file(tmp_path_factory):
     return path
 
 
-def test_cli_trains_a_model_and_dataset_named_by_module_and_function(user_file, tmp_path):
-    from conftest import tfdp as run_tfdp
-
+def test_cli_trains_a_model_and_dataset_named_by_module_and_function(user_file, tmp_path, capsys):
+    # the command's own main function, in this process (which has its logical CPUs already)
     result = tmp_path / "result.json"
-    process = run_tfdp(
+    status = cli_in_process(
         f"--model={user_file}:compiled",
         f"--dataset={user_file}:data",
         "--mode=weighted",
-        "--logical_cpus=2",
+        "--devices=cpu:0,cpu:1",
         "--powers=1,3",
         "--batch_size=40",
         "--iterations=30",
+        "--intra_op_threads=0",
         f"--result_json={result}",
     )
-    assert process.returncode == 0, process.stderr
+    assert status == 0
     import json
 
     saved = json.loads(result.read_text())
     assert saved["model"] == "tiny" and saved["shards"] == [10, 30]
     assert saved["optimizer"] == "Adam"
     assert saved["test_metrics"]["accuracy"] > 0.6  # it learns (chance: about 0.4)
-    assert f"iteration 30, test accuracy {saved['test_accuracy']:f}" in process.stdout
+    assert f"iteration 30, test accuracy {saved['test_accuracy']:f}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -335,11 +331,8 @@ def test_cli_trains_a_model_and_dataset_named_by_module_and_function(user_file, 
     ],
 )
 def test_cli_refuses_bad_user_models_and_data(model, dataset, words, user_file, tmp_path):
-    from conftest import own_stderr_lines
-    from conftest import tfdp as run_tfdp
-
     result = tmp_path / "result.json"
-    process = run_tfdp(
+    _, line = refusal(
         "--model=" + model.format(f=user_file),
         "--dataset=" + dataset.format(f=user_file),
         "--batch_size=40",
@@ -347,16 +340,12 @@ def test_cli_refuses_bad_user_models_and_data(model, dataset, words, user_file, 
         f"--model_dir={tmp_path / 'run'}",
         f"--result_json={result}",
     )
-    assert process.returncode == 2, process.stderr
-    lines = own_stderr_lines(process)
-    assert len(lines) == 1 and lines[0].startswith("tfdp: error: --"), lines
-    assert words.format(f=user_file) in lines[0]
+    assert line.startswith("tfdp: error: --") and "\n" not in line, line
+    assert words.format(f=user_file) in line
     assert not result.exists() and not (tmp_path / "run").exists()  # nothing written
 
 
 def test_help_lists_tfdps_flags():
-    from conftest import tfdp as run_tfdp
-
     process = run_tfdp("--help")
     assert process.returncode == 0, process.stderr
     for flag in ("--mode:", "--powers:", "--batch_size:", "--model:", "--dataset:"):
