@@ -133,6 +133,7 @@ def test_a_port_out_of_range_is_one_error_line(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_port_in_use_is_one_error_line(tmp_path):
     import socket
 
@@ -181,6 +182,7 @@ def run_workers(*flags_per_worker, cwd, timeout=300):
     ]
 
 
+@pytest.mark.slow
 def test_workers_with_different_learning_rates_both_stop(tmp_path):
     common = [*TOY, "--iterations=5"]
     ran = run_workers(
@@ -241,6 +243,7 @@ def user_run(source, model, dataset):
     return [f"--model={source}:{model}", f"--dataset={source}:{dataset}", "--batch_size=50"]
 
 
+@pytest.mark.slow
 def test_workers_that_agree_train(source, tmp_path):
     # The control of the two tests below: the same file, the same model and data.
     flags = [*user_run(source, "model", "data"), "--iterations=2"]
@@ -248,6 +251,7 @@ def test_workers_that_agree_train(source, tmp_path):
     assert [status for status, _ in ran] == [0, 0], ran
 
 
+@pytest.mark.slow
 def test_workers_with_different_initial_weights_both_stop(source, tmp_path):
     flags = [*user_run(source, "model_by_worker", "data"), "--iterations=2"]
     ran = run_workers(flags, flags, cwd=tmp_path)
@@ -266,6 +270,7 @@ def test_workers_with_different_initial_weights_both_stop(source, tmp_path):
     assert digests[0].split(",")[0] != digests[1].split(")")[0]
 
 
+@pytest.mark.slow
 def test_workers_with_different_data_both_stop(source, tmp_path):
     flags = [*user_run(source, "model", "data_by_worker"), "--iterations=2"]
     ran = run_workers(flags, flags, cwd=tmp_path)

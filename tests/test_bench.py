@@ -145,6 +145,7 @@ def test_the_table_is_the_arithmetic_of_the_measurements():
     assert f"| tfdp weighted 1:3 | 2 | {median['tfdp weighted 1:3']:.0f} " in table
 
 
+@pytest.mark.slow
 def test_bench_smoke(tmp_path):
     """The scaling suite's smallest run: the parent, a matmul, tfdp single, Keras fit and
     a weighted split, each measured in its own process."""
@@ -214,6 +215,7 @@ def test_bench_smoke(tmp_path):
             )
 
 
+@pytest.mark.slow
 def test_mixed_suite_smoke(tmp_path):
     import subprocess
     import sys
@@ -329,6 +331,7 @@ def test_the_gpu_table_sets_each_row_beside_keras_on_the_same_devices():
         assert row["stands_for"] == [list(s.device_list) for s in specs if s.name == name][0]
 
 
+@pytest.mark.slow
 def test_gpu_suite_smoke_on_stand_ins(tmp_path):
     """The gpu suite's smallest run that measures a GPU+CPU split: weighted with auto
     powers, on the logical CPUs that stand in for a GPU and the CPU."""
@@ -408,6 +411,7 @@ def test_the_cluster_suite_rotates_its_rounds_and_divides_by_the_even_split(caps
     assert "| even split |" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cluster_suite_smoke(tmp_path):
     """2 workers with worker:1 slowed 4x: the even split keeps 32/32, rebalancing re-splits
     before the clock starts (one round of the two rows)."""

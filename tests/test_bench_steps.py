@@ -59,6 +59,7 @@ def reference_weights(steps, channels_first, mnist):
     return _reference[key]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "variant",
     ["clocks", "loop10", "xla_update", "micro256", "halves", "channels_first", "pool_first"],
@@ -87,6 +88,7 @@ def test_variant_makes_the_plain_sgd_update_and_reports_its_speed(variant, mnist
         assert np.abs(have - want).max() <= 1e-2 * update
 
 
+@pytest.mark.slow
 def test_the_command_prints_its_result_and_saves_the_weights(mnist_dir, tmp_path):
     weights_out = tmp_path / "weights.npz"
     process = subprocess.run(
@@ -117,12 +119,14 @@ def test_the_command_prints_its_result_and_saves_the_weights(mnist_dir, tmp_path
         np.testing.assert_allclose(have, want, rtol=1e-2, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_xla_on_the_whole_step_is_refused_by_tensorflow(mnist):
     # BUILD_NOTES says so: the step reads its batch from the iterator inside tf.function.
     with pytest.raises(Exception, match="IteratorGetNext"):
         bench_steps.measure("xla", mnist, 1, warmup=1)
 
 
+@pytest.mark.slow
 def test_profile_reports_time_per_kernel(mnist, tmp_path):
     result, _ = bench_steps.measure("bare", mnist, ITERATIONS, warmup=1, profile_dir=str(tmp_path))
     kernels = result["kernel_ms_per_step"]

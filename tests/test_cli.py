@@ -24,6 +24,7 @@ TOY_RUN = [
 ]
 
 
+@pytest.mark.slow
 def test_toy_run_writes_result_json(tmp_path):
     path = tmp_path / "result.json"
     process = tfdp(*TOY_RUN, f"--result_json={path}")
@@ -46,6 +47,7 @@ def test_toy_run_writes_result_json(tmp_path):
     assert f"iteration 40, accuracy {result['log'][-1]['accuracy']:f}" in process.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, expected, chains",
     [
@@ -248,6 +250,7 @@ finally:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, line, before_tensorflow",
     [

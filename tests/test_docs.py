@@ -238,6 +238,7 @@ def relocated(args, tmp_path):
     return [sys.executable, "-m", module, *out[head:]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("doc,args,output", RUNNABLE, ids=ids(RUNNABLE))
 def test_quick_documented_commands_run(doc, args, output, tmp_path):
     if flag_value(args, "mnist_dir") == MNIST_AS_DOCUMENTED:

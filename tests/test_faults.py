@@ -15,6 +15,7 @@ from tfdp.errors import ConfigError
 from tfdp.training import NonFinite
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_model_dir_in_use_is_refused(tmp_path):
     model_dir = str(tmp_path / "run")
     never_saves = ["--iterations=1000000", "--checkpoint_every=1000000"]

@@ -215,6 +215,7 @@ def networks(tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 def test_isolated_workers_cannot_be_reached_and_train(networks):
     run = networks["isolated"]
     assert run["status"] == 0, run["stderr"]
@@ -226,6 +227,7 @@ def test_isolated_workers_cannot_be_reached_and_train(networks):
     assert "tfdp-launch: warning" not in run["stderr"]
 
 
+@pytest.mark.slow
 def test_host_workers_share_the_network_and_are_reachable(networks):
     run = networks["host"]
     assert run["status"] == 0, run["stderr"]
@@ -234,6 +236,7 @@ def test_host_workers_share_the_network_and_are_reachable(networks):
     assert [w["connect"] for w in run["workers"]] == ["connected"] * 2
 
 
+@pytest.mark.slow
 def test_isolated_and_host_workers_train_the_same(networks):
     for worker in (0, 1):
         logs = [
@@ -275,6 +278,7 @@ def refused(*args, timeout=240):
     )
 
 
+@pytest.mark.slow
 def test_refused_isolation_warns_and_runs_on_the_host_network():
     process = refused(*TOY, "--iterations=2")
     assert process.returncode == 0, process.stderr
@@ -422,6 +426,7 @@ def test_a_reader_copies_undecodable_output_to_its_end(sink):
         assert lines[-2:] == ["[w] last, cut \ufffd", ""]
 
 
+@pytest.mark.slow
 def test_a_failed_worker_stops_the_others_after_the_grace_period(tmp_path):
     module = workers_module(tmp_path)
     launcher = start(
@@ -445,6 +450,7 @@ def test_a_failed_worker_stops_the_others_after_the_grace_period(tmp_path):
     assert not is_running(pid)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_reaches_every_worker(tmp_path, signum):
     module = workers_module(tmp_path)
@@ -471,6 +477,7 @@ def test_a_stop_signal_reaches_every_worker(tmp_path, signum):
     assert [is_running(pid) for pid in pids] == [False, False]
 
 
+@pytest.mark.slow
 def test_a_taken_port_starts_the_workers_again(monkeypatch, capsys):
     """--network=host: a port taken between choosing and binding it costs one more start."""
     taken = socket.create_server(("0.0.0.0", 0))

@@ -61,6 +61,7 @@ def runs(tmp_path_factory):
     return {"root": root, "single": single_lines, "auto": auto, "uneven": uneven}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["auto", "uneven"])
 def test_two_workers_make_the_update_of_single(runs, name):
     root = runs["root"]
@@ -78,6 +79,7 @@ def test_two_workers_make_the_update_of_single(runs, name):
         assert got == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_powers_give_each_worker_its_share(runs):
     output = runs["uneven"].stdout
     for worker in (0, 1):
@@ -90,6 +92,7 @@ def test_powers_give_each_worker_its_share(runs):
     assert (saved["worker"], saved["chief"], saved["worker_batch"]) == ("worker:0", True, 64)
 
 
+@pytest.mark.slow
 def test_auto_powers_are_measured_and_agreed(runs):
     saved = result(str(runs["root"] / "auto"))
     measured = saved["auto_powers"]
@@ -109,6 +112,7 @@ def test_auto_powers_are_measured_and_agreed(runs):
         )
 
 
+@pytest.mark.slow
 def test_only_the_chief_writes(runs):
     model_dir = runs["root"] / "uneven"
     assert sorted(os.listdir(model_dir)) == [
@@ -132,6 +136,7 @@ def test_only_the_chief_writes(runs):
     assert os.listdir(runs["root"] / "tmp") == []
 
 
+@pytest.mark.slow
 def test_rebalancing_workers_make_the_update_of_single_and_keep_the_split(tmp_path):
     # worker:1 sleeps 7x its own compute time: the split moves off 128 + 128.
     steps = [*TOY, "--log_every=1", "--rebalance_every=2", "--simulate_slowdown=worker:1=8"]
@@ -184,6 +189,7 @@ def two_workers(args, model_dir):
     return start_workers([*args, f"--model_dir={model_dir}"], tf_configs(free_ports(2)))
 
 
+@pytest.mark.slow
 def test_a_killed_worker_stops_the_other_and_a_restart_resumes(tmp_path, straight_600):
     args, straight = LONG, straight_600
     model_dir = str(tmp_path / "killed")
@@ -221,6 +227,7 @@ def test_a_killed_worker_stops_the_other_and_a_restart_resumes(tmp_path, straigh
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_worker_stops_both_at_the_same_saved_step(tmp_path, straight_600):
     model_dir = str(tmp_path / "stopped")
     workers = two_workers(LONG, model_dir)
@@ -267,6 +274,7 @@ print(json.dumps({"iterator": type(iterator).__name__, "autotune": dataset.optio
 """
 
 
+@pytest.mark.slow
 def test_a_worker_reads_its_batches_with_a_plain_iterator_without_autotuning():
     # tf.distribute's per-device iterators turn tf.data's autotuning back on, and deleting
     # one could wait over a second for its background thread at the end of every run
@@ -371,6 +379,7 @@ def test_bad_launch_flags(args, message):
     assert process.stdout == ""
 
 
+@pytest.mark.slow
 def test_launch_fails_when_a_worker_fails(tmp_path):
     # Every worker refuses the batch size, after TensorFlow has started: status 2 comes back.
     process = launch("--model=toy", "--batch_size=20000", timeout=120)
@@ -413,6 +422,7 @@ def data():
 """
 
 
+@pytest.mark.slow
 def test_two_workers_make_the_single_update_for_a_user_model(tmp_path):
     """Dict inputs, L2, Adam with global clipping and sample weights, over 2 workers;
     250 examples in batches of 60, so the fifth step is an epoch's last 10."""

@@ -38,6 +38,7 @@ def test_importing_tfdp_leaves_tensorflow_as_it_is():
     assert probe({}, enable="") == ["None"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not X86_64, reason="tfdp sets the variable on x86-64 only")
 def test_enable_by_default_turns_onednn_on():
     lines = probe({}, after="import tensorflow; print(onednn.enabled())")
@@ -50,6 +51,7 @@ def test_the_entry_points_turn_onednn_on(entry_point):
     assert probe({}, enable=f"import {entry_point}") == ["1"]
 
 
+@pytest.mark.slow
 def test_a_value_the_user_set_is_kept():
     lines = probe({"TF_ENABLE_ONEDNN_OPTS": "0"}, after="print(onednn.enabled())")
     assert lines == ["0", "False"]
@@ -68,6 +70,7 @@ def test_a_child_of_a_tfdp_process_can_still_keep_tensorflows_default():
     assert probe({}, after=after) == ["1", "None tensorflow"]
 
 
+@pytest.mark.slow
 def test_nothing_changes_once_tensorflow_is_loaded():
     assert probe({}, before="import tensorflow") == ["None"]
 
@@ -114,6 +117,7 @@ CLI, LIBRARY = "tfdp.cli", "tfdp"  # the command turns the kernels on when impor
 X86_ONLY = pytest.mark.skipif(not X86_64, reason="tfdp sets the variable on x86-64 only")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "entry, env_changes, expected",
     [
@@ -131,6 +135,7 @@ def test_the_result_records_it(entry, env_changes, expected):
     assert tensorflow_says_on is expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "entry, env_changes",
     [(CLI, {"TFDP_ONEDNN": "tensorflow"}), (LIBRARY, {})],

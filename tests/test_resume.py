@@ -82,6 +82,7 @@ def resume(mode, model_dir, **changes):
     return lines
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", sorted(KILLED))
 def test_resume_after_sigkill_is_exact(mode, straight_run, tmp_path):
     straight = straight_run(mode)
@@ -98,6 +99,7 @@ def test_resume_after_sigkill_is_exact(mode, straight_run, tmp_path):
     assert_same_run(straight, model_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", sorted(KILLED))
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_saves_the_step_and_the_restart_is_exact(mode, signum, straight_run, tmp_path):
@@ -137,6 +139,7 @@ def save_period(process, model_dir, saves=5, timeout=300):
     return (ended - began) / (last - first)
 
 
+@pytest.mark.slow
 def test_kills_during_checkpoint_writes(straight_run, tmp_path):
     """SIGKILLs at moments spread over a save: saving at every step, nearly all of a
     step's time goes to writing its checkpoint, and kill k of K lands at a random
@@ -221,6 +224,7 @@ KERAS_ALONE = (
 )
 
 
+@pytest.mark.slow
 def test_export_summaries_and_result(tmp_path, capsys):
     import tensorflow as tf
 

@@ -64,6 +64,7 @@ def singles(images):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, devices, powers, options", MODES)
 @pytest.mark.parametrize("switch", SWITCHES)
 def test_every_mode_makes_the_update_of_single(
@@ -78,6 +79,7 @@ def test_every_mode_makes_the_update_of_single(
         assert np.abs(got - want).max() <= tolerance * change
 
 
+@pytest.mark.slow
 def test_jit_compile_runs_the_step_as_an_xla_program(singles, images):
     trainer, _ = singles["jit"]
     compiled = steps._compiled[trainer.model]
@@ -96,6 +98,7 @@ def test_jit_compile_runs_the_step_as_an_xla_program(singles, images):
     assert 0 < max(differences) < 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "switch, compute",
     [("bfloat16", "bfloat16"), ("float16", "float16"), ("jit+bfloat16", "bfloat16")],
@@ -117,6 +120,7 @@ def test_precision_sets_the_layers_policy_in_every_copy(switch, compute, images)
     assert keras.layers.Dense(2).compute_dtype == "float32"
 
 
+@pytest.mark.slow
 def test_float32_has_no_loss_scaling(singles):
     trainer, _ = singles["jit"]
     assert not isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
@@ -137,6 +141,7 @@ def exported(model_dir):
     return keras.models.load_model(os.path.join(model_dir, "model.keras"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, compute, tolerance",
     [
@@ -205,6 +210,7 @@ def make():
 """
 
 
+@pytest.mark.slow
 def test_the_switches_build_a_users_model_and_every_mode_makes_the_single_update(tmp_path):
     # A function that knows nothing of precision: tfdp builds it under the policy, and
     # Keras' compile adds the loss scaling of float16.

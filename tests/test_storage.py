@@ -393,6 +393,7 @@ def test_without_an_index_file_the_checkpoints_are_found_by_their_files(tmp_path
     assert index_names(model_dir) == ["ckpt-20", "ckpt-10", "ckpt-20"]
 
 
+@pytest.mark.slow
 def test_the_cli_on_a_full_disk_stops_in_one_line_and_the_last_checkpoint_resumes(tmp_path):
     # Each checkpoint of this model takes 144 KB: the first fits in 200 KiB, the second not.
     # the threads of this process's runs, which the resume continues with
@@ -420,6 +421,7 @@ def test_the_cli_on_a_full_disk_stops_in_one_line_and_the_last_checkpoint_resume
     assert_same_run(straight, moved)
 
 
+@pytest.mark.slow
 def test_result_json_goes_to_stdout_and_through_a_symlink(tmp_path):
     args = ["--model=toy", "--logical_cpus=2", "--batch_size=100", "--iterations=2"]
     printed = tfdp(*args, "--progress=never", "--result_json=/dev/stdout")
@@ -437,6 +439,7 @@ def test_result_json_goes_to_stdout_and_through_a_symlink(tmp_path):
     assert json.loads((tmp_path / "results" / "latest.json").read_text())["iterations"] == 2
 
 
+@pytest.mark.slow
 def test_a_chief_that_cannot_write_says_so_in_a_cluster(tmp_path):
     args = [*TOY, "--hidden_units=256", "--checkpoint_every=5", "--iterations=20"]
     with tmpfs(tmp_path / "mnt", "size=200k") as disk:
