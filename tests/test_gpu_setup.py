@@ -290,7 +290,7 @@ GPU_FLAGS = [
 
 
 @pytest.mark.parametrize("args, named", GPU_FLAGS, ids=[" ".join(a) for a, _ in GPU_FLAGS])
-def test_bad_gpu_flags_fail_with_one_line(args, named, tmp_path, monkeypatch):
+def test_bad_gpu_flags_fail_with_one_line(args, named, tmp_path, monkeypatch, capsys):
     import tensorflow as tf
 
     if "--logical_gpus=2" in args and tf.config.list_physical_devices("GPU"):
@@ -300,6 +300,7 @@ def test_bad_gpu_flags_fail_with_one_line(args, named, tmp_path, monkeypatch):
     assert error is not None, "accepted"
     assert line.startswith("tfdp: error: ") and "\n" not in line
     assert named in line
+    assert capsys.readouterr().out == ""  # no training started
     assert list(tmp_path.iterdir()) == []
 
 
