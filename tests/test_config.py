@@ -40,7 +40,7 @@ def test_dataset_follows_the_model():
         (dict(eval_every=-1), "eval_every"),
         (dict(checkpoint_every=0), "checkpoint_every"),
         (dict(keep_checkpoints=0), "keep_checkpoints"),
-        (dict(log_every=0), "log_every"),
+        (dict(log_every=-1), "log_every"),
         (dict(learning_rate=0.0), "learning_rate"),
         (dict(learning_rate=math.nan), "learning_rate"),
         (dict(seed=-3), "seed"),

@@ -175,4 +175,4 @@ def test_fit_refuses_empty_validation_data():
 
     x, y = np.zeros((8, 3), np.float32), np.zeros((8, 2), np.float32)
     with pytest.raises(ConfigError, match="validation_data"):
-        tfdp_library.fit(make, (x, y), validation_data=(x[:0], y[:0]), batch_size=4, iterations=1)
+        tfdp_library.fit(make, x, y, validation_data=(x[:0], y[:0]), batch_size=4, iterations=1)

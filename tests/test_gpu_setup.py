@@ -10,6 +10,7 @@ environment.
 import io
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -25,8 +26,9 @@ from tfdp.devices import (
     master_on_cpu,
     parse_devices,
 )
+from tfdp.hooks.report import banner
 from tfdp.launch import UsageError, check_gpus, parse_args, visible_gpus, worker_environment
-from tfdp.training import Plan, banner, default_devices
+from tfdp.training import Plan, default_devices
 
 CPU0, CPU1, GPU0, GPU1 = "/device:CPU:0", "/device:CPU:1", "/device:GPU:0", "/device:GPU:1"
 
@@ -92,6 +94,7 @@ def test_master_on_cpu_only_when_a_gpu_takes_part(devices, suggestion):
 
 class FakeTrainer:
     unit = "device(s)"
+    optimizer = types.SimpleNamespace(learning_rate=0.1)
 
     def describe(self):
         return ""
@@ -100,7 +103,7 @@ class FakeTrainer:
 def plan_on(devices, **settings):
     config = Config(model="toy", batch_size=8, **settings)
     train = (np.zeros((16, 2), np.float32), np.zeros((16,), np.int32))
-    return Plan(config, devices, [4, 4], None, train, None, 2, 4)
+    return Plan(config, devices, [4, 4], None, train, None, 2, 4, 2)
 
 
 WARNING = (

@@ -250,8 +250,8 @@ def test_the_switches_build_a_users_model_and_every_mode_makes_the_single_update
 
     toy = make_toy_data(0, num_examples=200)
     fitted = fit(
-        user.make, (toy.images, toy.labels), batch_size=100, iterations=1, precision="mixed_float16"
-    )
+        user.make, toy.images, toy.labels, batch_size=100, iterations=1, precision="mixed_float16"
+    ).result
     assert isinstance(fitted.model.optimizer, keras.optimizers.LossScaleOptimizer)
     assert fitted.model.layers[1].dtype_policy.name == "mixed_float16"
     assert keras.config.dtype_policy().name == "float32"  # restored after building
@@ -269,5 +269,5 @@ def test_precision_needs_a_function_not_a_model_object():
     model.compile(optimizer="sgd", loss="mse")
     x, y = np.zeros((8, 3), np.float32), np.zeros((8, 2), np.float32)
     with pytest.raises(ConfigError, match="needs a function that builds the model") as info:
-        tfdp.fit(model, (x, y), precision="mixed_bfloat16", batch_size=4, iterations=1)
+        tfdp.fit(model, x, y, precision="mixed_bfloat16", batch_size=4, iterations=1)
     assert info.value.field == "precision"

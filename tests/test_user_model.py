@@ -174,7 +174,9 @@ def test_fit_trains_a_model_object_in_place(data, tmp_path):
     x, y, sample_weight = data
     result = tfdp.fit(
         model,
-        (x, y, sample_weight),
+        x,
+        y,
+        sample_weight=sample_weight,
         validation_data=(x, y),
         mode="weighted",
         devices="cpu:0,cpu:1",
@@ -183,7 +185,7 @@ def test_fit_trains_a_model_object_in_place(data, tmp_path):
         iterations=8,
         model_dir=str(tmp_path / "run"),
         log=lambda line: None,
-    )
+    ).result
     assert result["model"] == "two_inputs" and result["iterations"] == 8
     assert result["optimizer"] == "Adam"
     assert set(result["test_metrics"]) == {"loss", "accuracy"}
@@ -212,7 +214,7 @@ def test_fit_takes_an_unbatched_dataset_and_a_factory(data):
         batch_size=BATCH,
         iterations=2,
         log=lambda line: None,
-    )
+    ).result
     assert result["iterations"] == 2 and result["test_metrics"] is None
     assert result.model.name == "two_inputs"
 
@@ -227,9 +229,9 @@ def uncompiled():
     [
         (uncompiled, None, "model", "is not a compiled Keras model"),
         (lambda: 3, None, "model", "returned int, not a compiled Keras model"),
-        (two_input_model, "short", "train_data", "leaves of different lengths"),
-        (two_input_model, "labels", "train_data", "labels do not fit the model's outputs"),
-        (two_input_model, "inputs", "train_data", "does not fit the model's inputs"),
+        (two_input_model, "short", "x", "leaves of different lengths"),
+        (two_input_model, "labels", "x", "labels do not fit the model's outputs"),
+        (two_input_model, "inputs", "x", "does not fit the model's inputs"),
     ],
 )
 def test_bad_models_and_data_are_refused_before_training(model, train, field, words, data):
@@ -244,7 +246,7 @@ def test_bad_models_and_data_are_refused_before_training(model, train, field, wo
         train = (x, y)
     lines = []
     with pytest.raises(ConfigError) as raised:
-        tfdp.fit(model, train, batch_size=BATCH, iterations=1, log=lines.append)
+        tfdp.fit(model, *train, batch_size=BATCH, iterations=1, log=lines.append)
     assert raised.value.field == field
     assert words in raised.value.reason
     assert lines == []  # nothing ran
@@ -439,22 +441,23 @@ def test_a_user_model_resumes_exactly(data, tmp_path):
     """3 steps, then a resume to 7 (through the epoch's partial last batch) in another
     mode, give the weights of 7 straight steps: the optimizer's slots and the input
     position come back with the checkpoint."""
-    ragged = tf.nest.map_structure(lambda leaf: np.concatenate([leaf, leaf[:10]]), data)
+    x, y, weights = tf.nest.map_structure(lambda leaf: np.concatenate([leaf, leaf[:10]]), data)
+    ragged = dict(x=x, y=y, sample_weight=weights)
     settings = dict(batch_size=BATCH, seed=SEED, log=lambda line: None)
-    straight = tfdp.fit(two_input_model, ragged, iterations=7, **settings)
+    straight = tfdp.fit(two_input_model, **ragged, iterations=7, **settings).result
     run = str(tmp_path / "run")
-    first = tfdp.fit(two_input_model, ragged, iterations=3, model_dir=run, **settings)
+    first = tfdp.fit(two_input_model, **ragged, iterations=3, model_dir=run, **settings).result
     assert first["start_iteration"] == 0
     resumed = tfdp.fit(
         two_input_model,
-        ragged,
+        **ragged,
         iterations=7,
         model_dir=run,
         mode="weighted",
         devices="cpu:0,cpu:1",
         powers=(1, 2),
         **settings,
-    )
+    ).result
     assert resumed["start_iteration"] == 3
     for got, want in zip(resumed.model.get_weights(), straight.model.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -2,7 +2,7 @@
 
     import tfdp
     tfdp.split_batch(100, [1, 5])          # [17, 83]
-    result = tfdp.fit(model, (x, y), mode="weighted", powers="auto", batch_size=256, epochs=1)
+    history = tfdp.fit(model, x, y, batch_size=256, epochs=1, mode="weighted", powers="auto")
     result = tfdp.train(tfdp.Config(mode="mirrored", devices="all"))   # the tutorial's runs
 
 The modules that import TensorFlow load on first use, so `import tfdp` is quick,
@@ -19,7 +19,8 @@ from tfdp.devices import configure_logical_devices, split_batch
 from tfdp.errors import ConfigError
 
 _LAZY = {
-    "fit": "tfdp.training",
+    "fit": "tfdp.fitting",
+    "join_cluster": "tfdp.cluster",
     "train": "tfdp.training",
     "prepare": "tfdp.training",
     "run": "tfdp.training",

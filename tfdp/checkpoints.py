@@ -35,9 +35,9 @@ from tfdp.errors import ConfigError
 RUN_FILE = "run.json"
 # A checkpoint only continues a run with these the same: they fix the
 # variables' shapes and the sequence of batches that step k stands for.
-RUN_FIELDS = ("model", "dataset", "hidden_units", "batch_size", "seed", "drop_remainder")
+RUN_FIELDS = ("model", "dataset", "hidden_units", "batch_size", "seed", "drop_remainder", "shuffle")
 # what a run.json written before a field existed stands for
-RUN_FIELD_DEFAULTS = {"drop_remainder": False}
+RUN_FIELD_DEFAULTS = {"drop_remainder": False, "shuffle": True}
 SHARES_FILE = "shares.json"
 
 
@@ -202,8 +202,9 @@ class Checkpointer:
         self.trainer = trainer
         self.directory = os.path.join(config.model_dir, "checkpoints")
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self.state = run_state()  # what the run's hooks keep over a restart
         self.checkpoint = tf.train.Checkpoint(
-            model=trainer.model, optimizer=trainer.optimizer, step=self.step
+            model=trainer.model, optimizer=trainer.optimizer, step=self.step, run=self.state
         )
 
     @functools.cached_property
@@ -301,8 +302,17 @@ class Checkpointer:
         return None
 
     def _restore(self, path: str) -> None:
+        import tensorflow as tf
+
+        checkpoint = self.checkpoint
+        names = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+        if not any(name.startswith("run/") for name in names):  # saved before the run state
+            trainer = self.trainer
+            checkpoint = tf.train.Checkpoint(
+                model=trainer.model, optimizer=trainer.optimizer, step=self.step
+            )
         try:
-            self.checkpoint.restore(path).assert_existing_objects_matched()
+            checkpoint.restore(path).assert_existing_objects_matched()
         except (AssertionError, ValueError) as error:  # another run's checkpoint
             raise ConfigError(
                 "model_dir",
@@ -454,6 +464,54 @@ class Checkpointer:
                 self.config.model_dir,
                 f"{self.shares_file} is unreadable: {error!r}; delete it to measure the split again",
             ) from None
+
+
+def run_state():
+    """A `tf.train.experimental.PythonState` saved in every checkpoint: `providers` maps a
+    name to a function returning what to keep under it (numbers, strings, lists, dicts
+    and numpy arrays), `restored` holds what the checkpoint restored (empty: none)."""
+    import tensorflow as tf
+
+    class RunState(tf.train.experimental.PythonState):
+        def __init__(self):
+            self.providers = {}
+            self.restored = {}
+
+        def serialize(self):
+            return json.dumps(
+                {name: get() for name, get in self.providers.items()}, default=_encode
+            )
+
+        def deserialize(self, string):
+            self.restored = json.loads(string, object_hook=_decode)
+
+    return RunState()
+
+
+def _encode(value):
+    import base64
+    import io
+
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        buffer = io.BytesIO()
+        np.save(buffer, value, allow_pickle=False)
+        return {"__array__": base64.b64encode(buffer.getvalue()).decode()}
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} cannot be kept in a checkpoint's run state")
+
+
+def _decode(mapping):
+    import base64
+    import io
+
+    import numpy as np
+
+    if set(mapping) == {"__array__"}:
+        return np.load(io.BytesIO(base64.b64decode(mapping["__array__"])), allow_pickle=False)
+    return mapping
 
 
 def export_model(model, path: str) -> None:

@@ -11,6 +11,7 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -25,18 +26,8 @@ onednn.enable_by_default()
 
 from absl import app, flags, logging  # noqa: E402
 
-from tfdp.config import (  # noqa: E402
-    ALL_REDUCES,
-    AUTO,
-    COLLECTIVES,
-    DEFAULT_ITERATIONS,
-    INITS,
-    MIRRORED_INPUTS,
-    MODES,
-    PRECISIONS,
-    REDUCES,
-    Config,
-)
+from tfdp.checkpoints import StorageError, write_atomically  # noqa: E402
+from tfdp.config import AUTO, Config  # noqa: E402
 from tfdp.devices import (  # noqa: E402
     check_intra_op_threads,
     check_logical_devices,
@@ -46,47 +37,36 @@ from tfdp.devices import (  # noqa: E402
     reserve_sleeping_threads,
     set_intra_op_threads,
 )
-from tfdp.checkpoints import StorageError, write_atomically  # noqa: E402
 from tfdp.errors import ConfigError  # noqa: E402
 from tfdp.signals import Stopped  # noqa: E402
 
 FLAGS = flags.FLAGS
-_DEFAULTS = Config()
 
-flags.DEFINE_enum(
-    "mode",
-    _DEFAULTS.mode,
-    MODES,
-    "single: one device; mirrored: tf.distribute.MirroredStrategy; "
-    "weighted: the tutorial's shards split by --powers, summed on device 0.",
-)
-flags.DEFINE_string(
-    "model",
-    _DEFAULTS.model,
-    "lenet (LeNet-5), toy (the tutorial's MLP), or MODULE:FUNCTION: a function of no "
-    "arguments, in an importable module or a .py file, that returns a compiled Keras model "
-    "(its loss, optimizer and metrics are used), e.g. examples/mnist_cnn.py:make_model.",
-)
-flags.DEFINE_string(
-    "dataset",
-    None,
-    "mnist (float32 images 28x28x1 in [0, 1], int32 labels 0-9), toy (the tutorial's "
-    "clusters), or MODULE:FUNCTION returning (train, validation), each numpy arrays such as "
-    "(x, y) or (x, y, sample_weight) or an unbatched tf.data.Dataset of such elements; "
-    "validation may be None. Default: the model's own (lenet: mnist, toy: toy, others: mnist).",
-)
-flags.DEFINE_string(
-    "devices",
-    _DEFAULTS.devices,
-    "Comma list such as cpu:0,gpu:0,gpu:1, or 'all' (every GPU, else every "
-    "logical CPU). Default: single -> the first GPU or the CPU; others -> all.",
-)
-flags.DEFINE_list(
-    "powers",
-    [],
-    "weighted: one relative speed per device, e.g. 1,5, or auto: measured on each device "
-    "at start-up. Default: equal.",
-)
+
+def define_config_flags() -> None:
+    """One flag per Config field, with the field's default, help and choices."""
+    for field in dataclasses.fields(Config):
+        meta = field.metadata
+        if not meta.get("flag", True):
+            continue
+        default = field.default
+        if meta.get("choices"):
+            flags.DEFINE_enum(field.name, default, list(meta["choices"]), meta["help"])
+        elif field.name == "powers":
+            flags.DEFINE_list(field.name, list(default), meta["help"])
+        elif field.type.startswith("bool"):
+            flags.DEFINE_bool(field.name, default, meta["help"])
+        elif field.type.startswith("int"):
+            flags.DEFINE_integer(field.name, default, meta["help"])
+        elif field.type.startswith("float"):
+            flags.DEFINE_float(field.name, default, meta["help"])
+        else:
+            flags.DEFINE_string(field.name, default, meta["help"])
+
+
+define_config_flags()
+# The process's own flags: the device set-up and threads, made before TensorFlow starts,
+# and where the result and the progress line go.
 flags.DEFINE_integer(
     "logical_cpus", 0, "Split the host CPU into N logical devices (0: keep it whole)."
 )
@@ -111,131 +91,13 @@ flags.DEFINE_integer(
     "Threads one CPU kernel may use; 0: TensorFlow's default, every core. Default: 1 when each "
     "batch is split evenly over more logical CPUs than there are cores, else 0.",
 )
-flags.DEFINE_integer(
-    "chains",
-    _DEFAULTS.chains,
-    "Side-by-side parts each device cuts its shard into, their gradients summed; 0: tfdp's "
-    "choice (on CPUs only: the cores each CPU device has, at least 1).",
-)
-flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size, "Global batch size, over all devices.")
-flags.DEFINE_integer(
-    "iterations", None, f"Training steps (default {DEFAULT_ITERATIONS}, as the tutorial)."
-)
-flags.DEFINE_integer("epochs", None, "Train for this many epochs instead of --iterations.")
-flags.DEFINE_bool(
-    "drop_remainder",
-    _DEFAULTS.drop_remainder,
-    "Leave out each epoch's last, partial batch. Default: train on it, split over the devices "
-    "in proportion to their shares.",
-)
-flags.DEFINE_integer(
-    "eval_every", _DEFAULTS.eval_every, "Test-set accuracy every N steps (0: only at the end)."
-)
-flags.DEFINE_string(
-    "model_dir",
-    None,
-    "Checkpoints, TensorBoard logs, model.keras and result.json go here; a re-run with the "
-    "same directory resumes from its latest checkpoint.",
-)
-flags.DEFINE_integer(
-    "checkpoint_every", _DEFAULTS.checkpoint_every, "Steps between checkpoints (and at the end)."
-)
-flags.DEFINE_integer("keep_checkpoints", _DEFAULTS.keep_checkpoints, "Checkpoints to keep.")
-flags.DEFINE_enum(
-    "all_reduce",
-    _DEFAULTS.all_reduce,
-    ALL_REDUCES,
-    "mirrored: auto is MirroredStrategy's own choice (ring all-reduce on CPUs, NCCL on GPUs, "
-    "reduction to one device for a mix); reduce_to_one; nccl.",
-)
-flags.DEFINE_enum(
-    "mirrored_input",
-    _DEFAULTS.mirrored_input,
-    MIRRORED_INPUTS,
-    "mirrored: split each global batch on the host (largest remainder), or let "
-    "experimental_distribute_dataset split it.",
-)
-flags.DEFINE_enum(
-    "reduce",
-    _DEFAULTS.reduce,
-    REDUCES,
-    "weighted: device0 sums the gradients on device 0, updates there and broadcasts the "
-    "weights (the tutorial); allreduce gives MirroredStrategy replicas the uneven shards.",
-)
-flags.DEFINE_integer(
-    "rebalance_every",
-    _DEFAULTS.rebalance_every,
-    "weighted: re-split the batch toward equal device finishing times, from the per-device "
-    "times measured over windows of K steps (the first windows of a run: 1, 2, 4, ... "
-    "steps); 0: never.",
-)
-flags.DEFINE_bool(
-    "jit_compile",
-    _DEFAULTS.jit_compile,
-    "Compile each device's forward and backward pass with XLA, in every mode (built-in "
-    "models). The host clock of --powers=auto and --rebalance_every stays outside it.",
-)
-flags.DEFINE_enum(
-    "precision",
-    _DEFAULTS.precision,
-    PRECISIONS,
-    "Keras dtype policy of the built-in models: their layers compute in float16 or bfloat16, "
-    "their variables stay float32; mixed_float16 adds dynamic loss scaling "
-    "(keras.optimizers.LossScaleOptimizer).",
-)
-flags.DEFINE_string(
-    "simulate_slowdown",
-    _DEFAULTS.simulate_slowdown,
-    "For testing balancing on equal devices: DEVICE=FACTOR[,...], e.g. cpu:1=4 makes cpu:1 "
-    "4x slower (a sleep per example, which uses no core). Never on by default; runs say so.",
-)
 flags.DEFINE_enum(
     "progress",
     "auto",
     ["auto", "always", "never"],
     "Live progress line on stderr (auto: on a terminal).",
 )
-flags.DEFINE_float(
-    "learning_rate",
-    _DEFAULTS.learning_rate,
-    "Plain SGD learning rate of the built-in models (a MODULE:FUNCTION model brings its own "
-    "optimizer).",
-)
-flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the initial weights and of the batch order.")
-flags.DEFINE_enum(
-    "init",
-    _DEFAULTS.init,
-    INITS,
-    "tutorial: weights U(-0.1, 0.1), biases 0; keras: Keras' default initialisers.",
-)
-flags.DEFINE_integer("hidden_units", _DEFAULTS.hidden_units, "Hidden units of the toy MLP.")
-flags.DEFINE_integer("log_every", _DEFAULTS.log_every, "Log the accuracy every N iterations.")
-flags.DEFINE_string(
-    "data_dir",
-    None,
-    "tensorflow-datasets data directory (default: TFDS_DATA_DIR or tensorflow-datasets' own).",
-)
-flags.DEFINE_string(
-    "mnist_dir",
-    None,
-    "Directory of the four MNIST IDX .gz files; read instead "
-    "of tensorflow-datasets, never downloads. Default: $TFDP_MNIST_DIR.",
-)
 flags.DEFINE_string("result_json", None, "Write the run's result here as JSON.")
-flags.DEFINE_enum(
-    "collective",
-    _DEFAULTS.collective,
-    COLLECTIVES,
-    "multiworker: the all-reduce between workers (CommunicationOptions.implementation); "
-    "auto lets TensorFlow choose, ring works everywhere, nccl needs GPUs.",
-)
-flags.DEFINE_float(
-    "collective_timeout",
-    _DEFAULTS.collective_timeout,
-    "multiworker: seconds one all-reduce may wait for the other workers before the run stops "
-    "with an error (0: no limit). Dead or frozen workers are caught without it, by "
-    "TensorFlow's heartbeats; each all-reduce then holds a thread for this long.",
-)
 
 
 def _fail(message: str, status: int = 2) -> None:
@@ -269,39 +131,14 @@ def _powers_from_flag(values: list[str]) -> tuple[float, ...] | str:
 
 def config_from_flags() -> Config:
     """The run's Config; raises ConfigError naming the bad flag."""
-    return Config(
-        mode=FLAGS.mode,
-        model=FLAGS.model,
-        dataset=FLAGS.dataset,
-        devices=FLAGS.devices,
-        powers=_powers_from_flag(FLAGS.powers),
-        batch_size=FLAGS.batch_size,
-        iterations=FLAGS.iterations,
-        learning_rate=FLAGS.learning_rate,
-        seed=FLAGS.seed,
-        init=FLAGS.init,
-        hidden_units=FLAGS.hidden_units,
-        log_every=FLAGS.log_every,
-        data_dir=FLAGS.data_dir,
-        mnist_dir=FLAGS.mnist_dir,
-        epochs=FLAGS.epochs,
-        drop_remainder=FLAGS.drop_remainder,
-        eval_every=FLAGS.eval_every,
-        model_dir=FLAGS.model_dir,
-        checkpoint_every=FLAGS.checkpoint_every,
-        keep_checkpoints=FLAGS.keep_checkpoints,
-        all_reduce=FLAGS.all_reduce,
-        mirrored_input=FLAGS.mirrored_input,
-        reduce=FLAGS.reduce,
-        rebalance_every=FLAGS.rebalance_every,
-        simulate_slowdown=FLAGS.simulate_slowdown,
-        chains=FLAGS.chains,
-        collective=FLAGS.collective,
-        collective_timeout=FLAGS.collective_timeout,
-        jit_compile=FLAGS.jit_compile,
-        precision=FLAGS.precision,
-        progress={"always": True, "never": False}.get(FLAGS.progress, sys.stderr.isatty()),
-    )
+    values = {
+        field.name: FLAGS[field.name].value
+        for field in dataclasses.fields(Config)
+        if field.metadata.get("flag", True)
+    }
+    values["powers"] = _powers_from_flag(values["powers"])
+    values["progress"] = {"always": True, "never": False}.get(FLAGS.progress, sys.stderr.isatty())
+    return Config(**values)
 
 
 def check_writable(field: str, path: str | None) -> None:
@@ -413,8 +250,8 @@ HELP_GROUPS = (
     ("what to train on", "mode devices powers batch_size logical_cpus logical_gpus"),
     (
         "the model and data",
-        "model dataset mnist_dir data_dir iterations epochs learning_rate "
-        "seed init hidden_units drop_remainder",
+        "model dataset mnist_dir data_dir iterations epochs steps_per_epoch initial_epoch "
+        "learning_rate seed init hidden_units shuffle drop_remainder",
     ),
     (
         "long runs",

@@ -118,15 +118,30 @@ def read_cluster(text: str | None = None) -> Cluster:
 
 
 _strategy = None
+_joined_with = None  # the (collective, collective_timeout) the strategy was made with
 
 
-def join_cluster(config):
+def join_cluster(config=None, **settings):
     """This process's MultiWorkerMirroredStrategy, made once per process.
 
     It must come before any other TensorFlow op: it starts this worker's
-    server and waits until every worker of TF_CONFIG has started.
+    server and waits until every worker of TF_CONFIG has started. A script
+    that builds its model before `tfdp.fit(..., mode="multiworker")` calls
+    `tfdp.join_cluster()` first, as a Keras script makes its
+    MultiWorkerMirroredStrategy first (settings: `collective`,
+    `collective_timeout`, as in `tfdp.Config`).
     """
-    global _strategy
+    global _strategy, _joined_with
+    if config is None:
+        config = Config(mode="multiworker", **settings)
+    wanted = (config.collective, config.collective_timeout)
+    if _strategy is not None and wanted != _joined_with:
+        raise ConfigError(
+            "collective",
+            config.collective if wanted[0] != _joined_with[0] else config.collective_timeout,
+            f"differs from the cluster this process joined with collective={_joined_with[0]}, "
+            f"collective_timeout={_joined_with[1]}",
+        )
     if _strategy is None:
         import tensorflow as tf
 
@@ -138,6 +153,15 @@ def join_cluster(config):
         )
         try:
             _strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        except RuntimeError as error:
+            if "must be configured at program startup" not in str(error):
+                raise
+            raise ConfigError(
+                "mode",
+                "multiworker",
+                "joins the cluster before any other TensorFlow op: call tfdp.join_cluster() "
+                "before building the model",
+            ) from None
         except tf.errors.UnknownError as error:
             if "Could not start gRPC server" not in str(error):
                 raise
@@ -149,6 +173,7 @@ def join_cluster(config):
                 f"Could not start gRPC server on {address} for {cluster.task}: "
                 "the port is in use by another process; give a free port",
             ) from None
+        _joined_with = wanted
     return _strategy
 
 

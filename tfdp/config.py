@@ -28,54 +28,165 @@ MIN_COLLECTIVE_TIMEOUT = 1.0
 MAX_COLLECTIVE_TIMEOUT = 86400.0  # a day
 
 
+def setting(default, help: str, *, choices=None, flag: bool = True):
+    """A Config field: its default, the one-line help its flag shows (`cli.py` makes the
+    flags from these), the values it may take, and whether the command has it as a flag."""
+    return dataclasses.field(
+        default=default, metadata={"help": help, "choices": choices, "flag": flag}
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """One training run. Defaults reproduce the MXNet tutorial's LeNet run."""
 
-    mode: str = "single"  # single | mirrored | weighted | multiworker
-    model: str = "lenet"  # lenet | toy | MODULE:FUNCTION returning a compiled Keras model
-    # mnist | toy | MODULE:FUNCTION returning (train, validation); None: the model's own
-    # (lenet: mnist, toy: toy, a MODULE:FUNCTION model: mnist)
-    dataset: str | None = None
-    devices: str = ""  # comma list or 'all'; '': single -> first device, others -> all
-    powers: (
-        tuple[float, ...] | str
-    ) = ()  # weighted: one relative speed per device; (): equal; "auto": measured
-    batch_size: int = 1024  # global batch, as in the tutorial's LeNet run
-    iterations: int | None = None  # training steps; None: `epochs` if set, else the tutorial's 50
-    epochs: int | None = None  # train for whole epochs instead of `iterations`
-    drop_remainder: bool = False  # leave out each epoch's last, partial batch
-    learning_rate: float = 0.1  # the tutorial's plain SGD step
-    seed: int = 0  # initial weights and batch order, identical in every mode
-    init: str = "tutorial"  # tutorial: U(-0.1, 0.1) weights, zero biases; keras: Keras defaults
-    hidden_units: int = 64  # the toy MLP's hidden layer
-    log_every: int = 10  # the tutorial logs every 10 iterations
-    data_dir: str | None = None  # tensorflow-datasets directory (else TFDS_DATA_DIR or its default)
-    mnist_dir: str | None = None  # local IDX files (else TFDP_MNIST_DIR); never downloads
-    eval_every: int = 0  # test-set accuracy every N steps; 0: at the end only (always at the end)
-    model_dir: str | None = None  # checkpoints, TensorBoard logs, model.keras, result.json
-    checkpoint_every: int = 100  # steps between checkpoints (and one at the end)
-    keep_checkpoints: int = 3  # the newest few are kept
-    progress: bool = False  # a live progress line on stderr
-    all_reduce: str = "auto"  # mirrored: auto (MirroredStrategy's choice) | reduce_to_one | nccl
-    mirrored_input: str = (
-        "split"  # mirrored: split on the host | dataset (experimental_distribute_dataset)
+    mode: str = setting(
+        "single",
+        "single: one device; mirrored: tf.distribute.MirroredStrategy; weighted: the "
+        "tutorial's shards split by --powers, summed on device 0; multiworker: one process "
+        "per worker of TF_CONFIG.",
+        choices=MODES,
     )
-    # weighted: device0 sums gradients on device 0 and broadcasts (the tutorial);
-    # allreduce gives MirroredStrategy replicas the uneven shards
-    reduce: str = "device0"
-    rebalance_every: int = (
-        0  # weighted: re-split the batch by times measured over windows of K steps; 0: never
+    model: str = setting(
+        "lenet",
+        "lenet (LeNet-5), toy (the tutorial's MLP), or MODULE:FUNCTION: a function of no "
+        "arguments, in an importable module or a .py file, that returns a compiled Keras model "
+        "(its loss, optimizer and metrics are used), e.g. examples/mnist_cnn.py:make_model.",
     )
-    chains: int = 0  # side-by-side parts each device cuts its shard into; 0: devices.default_chains
-    simulate_slowdown: str = ""  # testing only: 'cpu:1=4' makes cpu:1 4x slower (sleeps)
-    collective: str = (
-        "auto"  # multiworker: auto | ring | nccl (CommunicationOptions.implementation)
+    dataset: str | None = setting(
+        None,
+        "mnist (float32 images 28x28x1 in [0, 1], int32 labels 0-9), toy (the tutorial's "
+        "clusters), or MODULE:FUNCTION returning (train, validation), each numpy arrays such as "
+        "(x, y) or (x, y, sample_weight) or an unbatched tf.data.Dataset of such elements; "
+        "validation may be None. Default: the model's own (lenet: mnist, toy: toy, others: mnist).",
     )
-    collective_timeout: float = 0.0  # multiworker: seconds an all-reduce may wait; 0: no limit
-    jit_compile: bool = False  # XLA compiles each device's forward and backward
-    # the built-in models' Keras dtype policy; mixed_float16 adds loss scaling
-    precision: str = "float32"
+    devices: str = setting(
+        "",
+        "Comma list such as cpu:0,gpu:0,gpu:1, or 'all' (every GPU, else every logical CPU). "
+        "Default: single -> the first GPU or the CPU; others -> all.",
+    )
+    powers: tuple[float, ...] | str = setting(
+        (),
+        "weighted, multiworker: one relative speed per device (per worker), e.g. 1,5, or auto: "
+        "measured at start-up. Default: equal.",
+    )
+    batch_size: int = setting(1024, "Global batch size, over all devices.")
+    iterations: int | None = setting(
+        None, f"Training steps (default {DEFAULT_ITERATIONS}, as the tutorial)."
+    )
+    epochs: int | None = setting(
+        None,
+        "Train until this epoch (counted from --initial_epoch) instead of --iterations; an "
+        "epoch is a pass over the data, or --steps_per_epoch steps.",
+    )
+    steps_per_epoch: int | None = setting(
+        None,
+        "Steps of one epoch; the input goes on where the last epoch stopped. Default: one "
+        "pass over the training data.",
+    )
+    initial_epoch: int = setting(
+        0, "The number of the first epoch (Keras fit's initial_epoch); with --epochs."
+    )
+    shuffle: bool | str = setting(
+        True,
+        "Each epoch visits the examples in a new order, a function of --seed and the epoch; "
+        "--noshuffle keeps their order.",
+    )
+    drop_remainder: bool = setting(
+        False,
+        "Leave out each epoch's last, partial batch. Default: train on it, split over the "
+        "devices in proportion to their shares.",
+    )
+    learning_rate: float = setting(
+        0.1,
+        "Plain SGD learning rate of the built-in models (a MODULE:FUNCTION model brings its "
+        "own optimizer).",
+    )
+    seed: int = setting(0, "Seed of the initial weights and of the batch order.")
+    init: str = setting(
+        "tutorial",
+        "tutorial: weights U(-0.1, 0.1), biases 0; keras: Keras' default initialisers.",
+        choices=INITS,
+    )
+    hidden_units: int = setting(64, "Hidden units of the toy MLP.")
+    log_every: int = setting(10, "Log the training batch's accuracy every N iterations (0: never).")
+    data_dir: str | None = setting(
+        None,
+        "tensorflow-datasets data directory (default: TFDS_DATA_DIR or tensorflow-datasets' own).",
+    )
+    mnist_dir: str | None = setting(
+        None,
+        "Directory of the four MNIST IDX .gz files; read instead of tensorflow-datasets, "
+        "never downloads. Default: $TFDP_MNIST_DIR.",
+    )
+    eval_every: int = setting(0, "Test-set accuracy every N steps (0: only at the end).")
+    model_dir: str | None = setting(
+        None,
+        "Checkpoints, TensorBoard logs, model.keras and result.json go here; a re-run with the "
+        "same directory resumes from its latest checkpoint.",
+    )
+    checkpoint_every: int = setting(100, "Steps between checkpoints (and at the end).")
+    keep_checkpoints: int = setting(3, "Checkpoints to keep.")
+    progress: bool = setting(False, "A live progress line on stderr.", flag=False)
+    all_reduce: str = setting(
+        "auto",
+        "mirrored: auto is MirroredStrategy's own choice (ring all-reduce on CPUs, NCCL on "
+        "GPUs, reduction to one device for a mix); reduce_to_one; nccl.",
+        choices=ALL_REDUCES,
+    )
+    mirrored_input: str = setting(
+        "split",
+        "mirrored: split each global batch on the host (largest remainder), or let "
+        "experimental_distribute_dataset split it.",
+        choices=MIRRORED_INPUTS,
+    )
+    reduce: str = setting(
+        "device0",
+        "weighted: device0 sums the gradients on device 0, updates there and broadcasts the "
+        "weights (the tutorial); allreduce gives MirroredStrategy replicas the uneven shards.",
+        choices=REDUCES,
+    )
+    rebalance_every: int = setting(
+        0,
+        "weighted, multiworker: re-split the batch toward equal device finishing times, from "
+        "the per-device times measured over windows of K steps (the first windows of a run: "
+        "1, 2, 4, ... steps); 0: never.",
+    )
+    chains: int = setting(
+        0,
+        "Side-by-side parts each device cuts its shard into, their gradients summed; 0: "
+        "tfdp's choice (on CPUs only: the cores each CPU device has, at least 1).",
+    )
+    simulate_slowdown: str = setting(
+        "",
+        "For testing balancing on equal devices: DEVICE=FACTOR[,...], e.g. cpu:1=4 makes "
+        "cpu:1 4x slower (a sleep per example, which uses no core). Never on by default; runs "
+        "say so.",
+    )
+    collective: str = setting(
+        "auto",
+        "multiworker: the all-reduce between workers (CommunicationOptions.implementation); "
+        "auto lets TensorFlow choose, ring works everywhere, nccl needs GPUs.",
+        choices=COLLECTIVES,
+    )
+    collective_timeout: float = setting(
+        0.0,
+        "multiworker: seconds one all-reduce may wait for the other workers before the run "
+        "stops with an error (0: no limit). Dead or frozen workers are caught without it, by "
+        "TensorFlow's heartbeats; each all-reduce then holds a thread for this long.",
+    )
+    jit_compile: bool = setting(
+        False,
+        "Compile each device's forward and backward pass with XLA, in every mode. The host "
+        "clock of --powers=auto and --rebalance_every stays outside it.",
+    )
+    precision: str = setting(
+        "float32",
+        "Keras dtype policy: layers compute in float16 or bfloat16, variables stay float32; "
+        "mixed_float16 adds dynamic loss scaling (keras.optimizers.LossScaleOptimizer). A "
+        "model of your own: give a function, tfdp builds it under the policy.",
+        choices=PRECISIONS,
+    )
 
     def __post_init__(self):
         if self.dataset is None:
@@ -114,17 +225,25 @@ def validate(config: Config) -> None:
     _choice(config, "precision", PRECISIONS)
     if not isinstance(config.jit_compile, bool):
         raise ConfigError("jit_compile", config.jit_compile, "must be True or False")
-    for field in (
-        "batch_size",
-        "log_every",
-        "hidden_units",
-        "checkpoint_every",
-        "keep_checkpoints",
-    ):
+    for field in ("batch_size", "hidden_units", "checkpoint_every", "keep_checkpoints"):
         _positive_int(config, field)
-    for field in ("iterations", "epochs"):
+    log_every = config.log_every
+    if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
+        raise ConfigError("log_every", log_every, "must be 0 (never) or more")
+    for field in ("iterations", "epochs", "steps_per_epoch"):
         if getattr(config, field) is not None:
             _positive_int(config, field)
+    initial = config.initial_epoch
+    if isinstance(initial, bool) or not isinstance(initial, int) or initial < 0:
+        raise ConfigError("initial_epoch", initial, "must be 0 or more")
+    if initial and config.epochs is None:
+        raise ConfigError("initial_epoch", initial, "needs epochs: the epoch to train until")
+    if config.epochs is not None and config.epochs <= initial:
+        raise ConfigError(
+            "epochs", config.epochs, f"must be more than initial_epoch={initial}: nothing to train"
+        )
+    if config.shuffle not in (True, False, "batch"):
+        raise ConfigError("shuffle", config.shuffle, "must be True, False or 'batch'")
     if config.iterations is not None and config.epochs is not None:
         raise ConfigError(
             "epochs", config.epochs, f"and iterations={config.iterations} both set; give one"

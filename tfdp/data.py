@@ -309,11 +309,12 @@ def steps_per_epoch(num_examples: int, batch_size: int, drop_remainder: bool = F
     return -(-num_examples // batch_size)
 
 
-def train_dataset(arrays, batch_size, seed, start_step=0, drop_remainder=False):
+def train_dataset(arrays, batch_size, seed, start_step=0, drop_remainder=False, shuffle=True):
     """Builds the infinite, deterministic stream of global training batches.
 
-    Epoch e visits the examples in the order
-    `tf.random.experimental.stateless_shuffle(tf.range(N), seed=[seed, e])`, cut into
+    Pass e over the data visits the examples in the order
+    `tf.random.experimental.stateless_shuffle(tf.range(N), seed=[seed, e])` (with
+    `shuffle` False: in order; "batch": in order, each batch shuffled within), cut into
     batches of `batch_size`; the last batch of an epoch holds the N mod batch_size
     examples left, or is dropped with `drop_remainder`. Training step k reads batch
     `k % steps_per_epoch` of epoch `k // steps_per_epoch`, so the stream depends only on
@@ -327,6 +328,7 @@ def train_dataset(arrays, batch_size, seed, start_step=0, drop_remainder=False):
         seed: integer seed of the shuffle.
         start_step: first step to produce, for resuming exactly where training stopped.
         drop_remainder: leave out each epoch's last, partial batch.
+        shuffle: True, False, or "batch" (Keras `fit`'s meanings).
 
     Returns:
         A dataset of batches: (x float32 (batch_size, ...), y int32 (batch_size,)) for
@@ -348,16 +350,23 @@ def train_dataset(arrays, batch_size, seed, start_step=0, drop_remainder=False):
     prepare = _model_inputs(arrays)
 
     def epoch_batches(epoch):
-        # One shuffle per epoch, cut into the index batches of its steps.
-        order = tf.random.experimental.stateless_shuffle(
-            tf.range(num_examples), seed=tf.stack([tf.constant(seed, tf.int64), epoch])
-        )
+        # One order per pass over the data, cut into the index batches of its steps.
+        key = tf.stack([tf.constant(seed, tf.int64), epoch])
+        order = tf.range(num_examples)
+        if shuffle is True:
+            order = tf.random.experimental.stateless_shuffle(order, seed=key)
         batches = tf.data.Dataset.from_tensor_slices(
             tf.reshape(order[: full * batch_size], [full, batch_size])
         )
         if partial:
             last = order[full * batch_size :]
             batches = batches.concatenate(tf.data.Dataset.from_tensors(last))
+        if shuffle == "batch":  # the batches in order, the examples of each shuffled
+            batches = batches.enumerate().map(
+                lambda i, indices: tf.random.experimental.stateless_shuffle(
+                    indices, seed=key + tf.stack([tf.constant(0, tf.int64), i + 1])
+                )
+            )
         return batches
 
     def gather(indices):

@@ -10,13 +10,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
-import time
 from typing import Callable
 
-from tfdp import onednn, sources
 from tfdp import data as data_lib
+from tfdp import onednn, sources
 from tfdp.checkpoints import check_model_dir, export_model, write_atomically
 from tfdp.config import AUTO, DATASETS, DEFAULT_ITERATIONS, MODELS, Config
 from tfdp.devices import (
@@ -28,16 +26,40 @@ from tfdp.devices import (
     split_batch,
 )
 from tfdp.errors import ConfigError
+from tfdp.hooks.balancing import Rebalance
+from tfdp.hooks.checkpointing import Checkpoints
+from tfdp.hooks.evaluation import Evaluation, evaluate  # noqa: F401 (tfdp.training.evaluate)
+from tfdp.hooks.finite import FiniteGuard, NonFinite  # noqa: F401 (the CLI catches NonFinite)
+from tfdp.hooks.keras import KerasCallbacks
+from tfdp.hooks.report import (
+    ProgressLine,
+    TutorialLog,
+    learning_rate,
+    schedule_of,
+    step_metrics,  # noqa: F401 (tfdp.training.step_metrics)
+)
+from tfdp.hooks.stopping import StopOnSignal
+from tfdp.hooks.summaries import TrainSummaries
 from tfdp.lock import ModelDirLock
+from tfdp.loop import Hooks, Run, train_loop
 from tfdp.models import ModelSpec
 from tfdp.observe import Progress, Summaries
-from tfdp.signals import Stopped, StopSignals
+from tfdp.signals import StopSignals
 from tfdp.trainers import build_trainer
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A validated run: where each example of a global batch goes, the model and the data."""
+    """A validated run: where each example of a global batch goes, the model, the data
+    and the steps.
+
+    Attributes:
+      batches_per_pass: the steps of one pass over the training data.
+      steps_per_epoch: the steps of one epoch of the loop: a pass over the data, unless
+        the config's `steps_per_epoch` says otherwise.
+      total_steps: the steps of the whole run.
+      initial_epoch: the number of the run's first epoch.
+    """
 
     config: Config
     devices: list[str]
@@ -45,8 +67,45 @@ class Plan:
     spec: ModelSpec
     train_data: object  # data_lib.Arrays, or a nested structure of arrays
     test_data: object  # the same, or None: no evaluation
-    steps_per_epoch: int
+    batches_per_pass: int
     total_steps: int
+    steps_per_epoch: int
+    initial_epoch: int = 0
+
+    @property
+    def final_epoch(self) -> int:
+        """The number of the epoch after the last (Keras fit's `epochs`)."""
+        return self.initial_epoch + -(-self.total_steps // self.steps_per_epoch)
+
+    @property
+    def examples(self) -> int:
+        return data_lib.size(self.train_data)
+
+    def without_test_data(self) -> Plan:
+        return dataclasses.replace(self, test_data=None)
+
+    def logs(self, step: int) -> bool:
+        """Whether step `step` (counted from 0) is one `log_every` logs."""
+        every = self.config.log_every
+        return bool(every) and step % every == 0
+
+    def is_log_point(self, step: int) -> bool:
+        """Whether the step's metrics are read: a logged step, or the last."""
+        return self.logs(step) or step + 1 == self.total_steps
+
+    def partial(self, step: int) -> bool:
+        """Whether step `step` reads a pass's last batch, with fewer examples."""
+        last = self.examples - (self.batches_per_pass - 1) * self.config.batch_size
+        return step % self.batches_per_pass == self.batches_per_pass - 1 and (
+            last < self.config.batch_size
+        )
+
+    def examples_in(self, first: int, end: int) -> int:
+        """Examples in steps first..end-1: a step is a pass's last when the next is a
+        multiple of the batches per pass."""
+        batch, per_pass = self.config.batch_size, self.batches_per_pass
+        last = min(self.examples - (per_pass - 1) * batch, batch)
+        return (end - first) * batch - (end // per_pass - first // per_pass) * (batch - last)
 
 
 def default_devices(mode: str, available: list[str]) -> str:
@@ -209,9 +268,9 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
         train_data, test_data = load_data(config)
         field = "dataset"
     else:
-        train_data = sources.as_arrays(train_data, "train_data")
+        train_data = sources.as_arrays(train_data, "x")
         test_data = sources.as_arrays(validation_data, "validation_data")
-        field = "train_data"
+        field = "x"
     examples = data_lib.size(train_data)
     if config.batch_size > examples:
         raise ConfigError(
@@ -219,7 +278,7 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
             config.batch_size,
             f"is larger than the {examples} training examples",
         )
-    test_field = "validation_data" if field == "train_data" else field
+    test_field = "validation_data" if field == "x" else field
     if test_data is not None and data_lib.size(test_data) == 0:
         raise ConfigError(
             test_field,
@@ -230,14 +289,26 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
     if test_data is not None:
         samples[test_field] = data_lib.first_examples(test_data, 2)
     spec = model_spec_for(config, samples, model)
-    steps_per_epoch = data_lib.steps_per_epoch(examples, config.batch_size, config.drop_remainder)
+    per_pass = data_lib.steps_per_epoch(examples, config.batch_size, config.drop_remainder)
+    per_epoch = config.steps_per_epoch or per_pass
     if config.iterations is not None:
         total_steps = config.iterations
     elif config.epochs is not None:
-        total_steps = config.epochs * steps_per_epoch
+        total_steps = (config.epochs - config.initial_epoch) * per_epoch
     else:
         total_steps = DEFAULT_ITERATIONS
-    return Plan(config, devices, shards, spec, train_data, test_data, steps_per_epoch, total_steps)
+    return Plan(
+        config,
+        devices,
+        shards,
+        spec,
+        train_data,
+        test_data,
+        per_pass,
+        total_steps,
+        per_epoch,
+        config.initial_epoch,
+    )
 
 
 def resumed_shares(config: Config, trainer, checkpointer) -> dict | None:
@@ -258,41 +329,24 @@ def resumed_shares(config: Config, trainer, checkpointer) -> dict | None:
     return saved
 
 
-class NonFinite(RuntimeError):
-    """The loss or the weights became NaN or infinite; the run stopped without saving
-    that state."""
-
-
-def first_non_finite(pending) -> int | None:
-    """The first step among `(step, loss)` pairs whose loss is not finite."""
-    for step, loss in pending:
-        if not math.isfinite(float(loss)):
-            return step
-    return None
-
-
-def non_finite_weights(model) -> list[str]:
-    """The model's variables (weights and statistics) holding a NaN or an infinity."""
-    import numpy as np
-
-    return [v.path for v in model.weights if not np.isfinite(np.asarray(v)).all()]
-
-
 def restore(checkpointer, trainer, log) -> int:
     """The step the latest good checkpoint continues from (0: none).
 
-    A checkpoint holds the optimizer's learning rate; a resumed run trains at
-    the rate it is given now (`--learning_rate`, or a user's compiled optimizer).
+    A checkpoint holds the optimizer's learning rate, and the rate the run was
+    given when it started. A resumed run given another rate now
+    (`--learning_rate`, or a user's compiled optimizer) trains at it; given the same,
+    it trains at the checkpoint's, which a callback may have changed since
+    (ReduceLROnPlateau, LearningRateScheduler). A schedule follows the restored
+    iteration count.
     """
     if checkpointer is None:
         return 0
-    try:
-        rate = float(trainer.optimizer.learning_rate)
-    except TypeError:  # a schedule: it follows the restored iteration count
-        rate = None
+    given = None if schedule_of(trainer.optimizer) else learning_rate(trainer.optimizer)
+    checkpointer.state.providers["given_learning_rate"] = lambda: given
     step = checkpointer.restore(log)
-    if rate is not None:
-        trainer.optimizer.learning_rate = rate
+    saved = checkpointer.state.restored.get("given_learning_rate")
+    if given is not None and saved != given:
+        trainer.optimizer.learning_rate = given
     return step
 
 
@@ -321,74 +375,27 @@ def saved_result(plan: Plan, start_step: int) -> dict | None:
         return None
 
 
-def banner(plan: Plan, trainer, start_step: int, shards: list[int]) -> str:
-    """The batch arithmetic, printed once at start."""
-    config, n = plan.config, len(plan.devices)
-    split = " + ".join(str(s) for s in shards)
-    epochs = plan.total_steps / plan.steps_per_epoch
-    text = (
-        f"global batch {config.batch_size} = {split} over {n} {trainer.unit}, mode {config.mode}; "
-        f"{plan.steps_per_epoch} steps per epoch of {data_lib.size(plan.train_data)} examples; "
-        f"{plan.total_steps} iterations ({epochs:.2f} epochs) at learning rate "
-        f"{config.learning_rate}"
-    )
-    text += trainer.describe()
-    if config.rebalance_every:
-        text += (
-            f"; re-split by measured device times, in windows of up to "
-            f"{config.rebalance_every} iterations"
-        )
-    if start_step:
-        text += f"; resuming at iteration {start_step} from {config.model_dir}"
-    if config.mode == "weighted" and config.reduce == "device0":
-        from tfdp.devices import master_on_cpu
-
-        warning = master_on_cpu(plan.devices)
-        if warning:
-            text += f"; warning: {warning}"
-    return text
-
-
 class FitResult(dict):
-    """The result dict (the content of result.json), and `model`: the trained model."""
+    """The result dict (the content of result.json), `model`: the trained model, and
+    `history`: Keras' History of a run with Keras callbacks."""
 
     model = None
+    history = None
 
 
-def evaluate(trainer, spec: ModelSpec, data, batch_size: int) -> dict[str, float]:
-    """The compiled loss (with `model.losses`) and metrics over every example of `data`,
-    each batch split over the devices as the trainer splits a training batch."""
-    objective = spec.objective
-    objective.reset_metrics()
-    summed = 0.0
-    for batch in data_lib.eval_batches(data, batch_size):
-        loss, predictions = trainer.predict(batch)
-        summed += float(loss)
-        objective.update_metrics(batch, predictions)
-    regularization = sum(float(value) for value in trainer.model.losses)
-    return {"loss": summed / data_lib.size(data) + regularization, **objective.read_metrics()}
-
-
-def step_metrics(objective, metrics) -> dict[str, float]:
-    """The loss and compiled metrics of a step's global batch, on the host."""
-    from tfdp.objective import concat
-
-    if "batches" in metrics:  # per-replica batches (mirrored_input dataset)
-        batch = concat(metrics["batches"])
-    else:
-        batch = metrics["batch"]
-    values = objective.batch_metrics(batch, concat(metrics["predictions"]))
-    return {**values, "loss": float(metrics["loss"])}
-
-
-def described(values: dict[str, float], prefix: str = "") -> str:
-    """'accuracy 0.910000, loss 0.300000': the metrics first, as the tutorial prints them."""
-    names = [name for name in values if name != "loss"] + ["loss"]
-    return ", ".join(f"{prefix}{name} {values[name]:f}" for name in names if name in values)
-
-
-def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
+def run(
+    plan: Plan,
+    log: Callable[[str], None] = print,
+    callbacks=None,
+    verbose="auto",
+    validation=None,
+) -> dict:
     """Trains as planned; logs like the tutorial; returns the result dict.
+
+    callbacks: Keras callbacks (`tfdp.fit`'s), run beside Keras' History and, unless
+    `verbose` is 0, its progress bar (`hooks.keras.KerasCallbacks`); with them the
+    result has the History as `result.history`, and `validation` (data, batch size,
+    steps, freq) is Keras' validation at the epochs' ends. None: no Keras callbacks.
 
     With `model_dir`, holds its lock (`lock.ModelDirLock`), resumes from its
     latest good checkpoint, saves every `checkpoint_every` steps and at the
@@ -403,219 +410,135 @@ def run(plan: Plan, log: Callable[[str], None] = print) -> dict:
     trainer = build_trainer(config, plan.devices, plan.shards, plan.spec)
     locked = config.model_dir and trainer.is_chief  # only the chief writes model_dir
     lock = ModelDirLock(config.model_dir) if locked else contextlib.nullcontext()
-    with lock, StopSignals() as stop:
-        return train_loop(plan, trainer, stop, log)
-
-
-def train_loop(plan: Plan, trainer, stop: StopSignals, log: Callable[[str], None]) -> dict:
-    """`run`'s loop, for a trainer built from `plan`; stops at a step boundary when
-    `stop` has caught a signal."""
-    import keras
-    import tensorflow as tf
-
-    config = plan.config
-    batch = config.batch_size
-    checkpointer = trainer.checkpointer(config) if config.model_dir else None
-    start_step = restore(checkpointer, trainer, log)  # before anything is written
-    if start_step >= plan.total_steps and checkpointer:
-        saved = saved_result(plan, start_step)
-        if saved is not None:
-            log(
-                f"the run in {config.model_dir} is finished (iteration {start_step} of "
-                f"{plan.total_steps}); nothing to do"
+    with lock, StopSignals() as signals:
+        checkpointer = trainer.checkpointer(config) if config.model_dir else None
+        start_step = restore(checkpointer, trainer, log)  # before anything is written
+        if start_step >= plan.total_steps and checkpointer:
+            saved = saved_result(plan, start_step)
+            if saved is not None:
+                log(
+                    f"the run in {config.model_dir} is finished (iteration {start_step} of "
+                    f"{plan.total_steps}); nothing to do"
+                )
+                result = FitResult(saved)
+                result.model = trainer.model
+                return result
+        progress = (
+            Progress(plan.total_steps, config.batch_size, start_step) if config.progress else None
+        )
+        state = Run(plan, trainer, None, log, start_step, start_step, progress=progress)
+        split_info, probe = set_up_split(state, checkpointer)
+        state.iterator = trainer.distribute(  # after the split is set
+            data_lib.train_dataset(
+                plan.train_data,
+                config.batch_size,
+                config.seed,
+                start_step,
+                config.drop_remainder,
+                config.shuffle,
             )
-            result = FitResult(saved)
-            result.model = trainer.model
-            return result
-    summaries = Summaries(config.model_dir) if config.model_dir and trainer.is_chief else None
-    progress = Progress(plan.total_steps, batch, start_step) if config.progress else None
+        )
+        summaries = Summaries(config.model_dir) if config.model_dir and trainer.is_chief else None
+        guard = FiniteGuard(checkpointer)
+        checkpoints = Checkpoints(checkpointer, guard) if checkpointer else None
+        rebalancing = trainer.rebalancing(config.rebalance_every, state.say, probe)
+        keras_callbacks = None
+        if callbacks is not None:
+            keras_callbacks = KerasCallbacks(
+                callbacks, verbose, plan.final_epoch, validation, chief=trainer.is_chief
+            )
+            if checkpointer:
+                keras_callbacks.saved_state = checkpointer.state.restored.get("keras")
+                checkpointer.state.providers["keras"] = keras_callbacks.state
+        hooks = Hooks(
+            [
+                guard,
+                TutorialLog(),
+                Rebalance(rebalancing) if rebalancing else None,
+                ProgressLine(progress) if progress else None,
+                keras_callbacks,
+                Evaluation(summaries),
+                TrainSummaries(summaries) if summaries else None,
+                checkpoints,
+                StopOnSignal(signals, checkpoints),
+            ]
+        )
+        train_loop(state, hooks)
+        result = result_of(state, split_info)
+        if config.model_dir and trainer.is_chief:
+            write_run_files(config.model_dir, trainer.model, result)
+        trainer.finish()  # multiworker: the workers leave together, after the chief's writes
+    result.model = trainer.model
+    result.history = keras_callbacks.history if keras_callbacks else None
+    return result
 
-    def say(line):
-        if progress:
-            progress.clear()
-        log(line)
 
-    resumed = resumed_shares(config, trainer, checkpointer) if start_step else None
-    split_info, probe = trainer.set_up_split(config, plan.train_data, say, resumed is None)
+def set_up_split(state: Run, checkpointer) -> tuple[dict, object]:
+    """The split the run starts from: the one saved with the checkpoint it resumes from
+    (when measured), else measured or calibrated (`Trainer.set_up_split`). Returns what
+    was set up, for the result, and the probe rebalancing carries on from."""
+    config, trainer = state.plan.config, state.trainer
+    resumed = resumed_shares(config, trainer, checkpointer) if state.start_step else None
+    split_info, probe = trainer.set_up_split(
+        config, state.plan.train_data, state.say, resumed is None
+    )
     split_info["resumed_shares"] = resumed
     if resumed:
         trainer.set_shards(resumed["shards"])
-        say(
+        state.say(
             f"shares {resumed['shards']}: the split at iteration {resumed['step']}, "
             f"from {checkpointer.shares_file}"
         )
-    rebalancing = trainer.rebalancing(config.rebalance_every, say, probe)
-    iterator = trainer.distribute(  # after the split is set: a worker keeps its slice
-        data_lib.train_dataset(
-            plan.train_data, batch, config.seed, start_step, config.drop_remainder
-        )
-    )
-    shards = list(trainer.shards)
-    say(f"workload partition: {[(short_name(d), n) for d, n in zip(plan.devices, shards)]}")
-    say(banner(plan, trainer, start_step, shards))
+    return split_info, probe
 
-    last_examples = data_lib.size(plan.train_data) - (plan.steps_per_epoch - 1) * batch
 
-    def partial(iteration):
-        """Whether step `iteration` reads an epoch's last batch, with fewer examples."""
-        return iteration % plan.steps_per_epoch == plan.steps_per_epoch - 1 and (
-            last_examples < batch
-        )
+def result_of(state: Run, split_info: dict) -> FitResult:
+    """The run's result: what result.json holds."""
+    import keras
+    import tensorflow as tf
 
-    def examples_in(first, end):
-        """Examples in steps first..end-1: step i is an epoch's last when i + 1 is a
-        multiple of the steps per epoch."""
-        epoch_ends = end // plan.steps_per_epoch - first // plan.steps_per_epoch
-        return (end - first) * batch - epoch_ends * (batch - min(last_examples, batch))
-
-    history, evals, pending = [], [], []
-    metrics, last = None, None
-    side_seconds = 0.0  # evaluation and checkpoints, left out of images/s
-    first_step_seconds = 0.0
-
-    def check_finite():
-        bad = first_non_finite(pending)
-        pending.clear()
-        if bad is not None:
-            if progress:
-                progress.close()
-            kept = checkpointer.manager.latest_checkpoint if checkpointer else None
-            raise NonFinite(
-                f"the loss became non-finite at iteration {bad}; stopped before saving that "
-                + (f"state; the last good checkpoint is {kept}" if kept else "state")
-            )
-
-    def save(step):
-        """Saves the state after `step` steps, if it is finite."""
-        check_finite()  # never save a state that came from a non-finite loss
-        bad = non_finite_weights(trainer.model)
-        if bad:
-            if progress:
-                progress.close()
-            kept = checkpointer.manager.latest_checkpoint
-            raise NonFinite(
-                f"the weights became non-finite by iteration {step} ({', '.join(bad[:3])}); "
-                "stopped before saving them"
-                + (f"; the last good checkpoint is {kept}" if kept else "")
-            )
-        return checkpointer.save(step)
-
-    def run_evaluation(step):
-        if plan.test_data is None:
-            return
-        values = evaluate(trainer, plan.spec, plan.test_data, batch)
-        evals.append({"iteration": step, **{f"test_{k}": v for k, v in values.items()}})
-        say(
-            f"iteration {step}, {described(values, 'test ')} "
-            f"({data_lib.size(plan.test_data)} examples)"
-        )
-        if summaries:
-            summaries.write_eval(step, {f"test_{k}": v for k, v in values.items()})
-
-    start = time.perf_counter()
-    for iteration in range(start_step, plan.total_steps):
-        metrics = trainer.train_step(iterator)
-        pending.append((iteration, metrics["loss"]))
-        done = iteration + 1
-        if iteration == start_step:
-            float(metrics["loss"])  # wait for the first step: it includes tracing
-            first_step_seconds = time.perf_counter() - start
-        if iteration % config.log_every == 0 or done == plan.total_steps:
-            check_finite()  # reading metrics waits for the device: only here
-            metrics = trainer.global_outputs(metrics)  # multiworker: join the workers' slices
-            last = step_metrics(plan.spec.objective, metrics)
-            if iteration % config.log_every == 0:
-                history.append({"iteration": iteration, **last})
-                say(f"iteration {iteration}, {described(last)}")
-                if summaries:
-                    elapsed = time.perf_counter() - start - side_seconds
-                    summaries.write_train(
-                        iteration,
-                        {
-                            **last,
-                            "learning_rate": config.learning_rate,
-                            "images_per_second": examples_in(start_step, done) / max(elapsed, 1e-9),
-                            **{
-                                f"shard/{short_name(d)}": n
-                                for d, n in zip(plan.devices, trainer.shards)
-                            },
-                        },
-                    )
-        # The first step has first-run costs; a partial batch is not the split's speed.
-        if rebalancing and iteration > start_step and not partial(iteration):
-            rebalancing.observe(iteration, metrics["device_seconds"])
-        if progress:
-            progress.update(
-                done,
-                lambda metrics=metrics: step_metrics(plan.spec.objective, metrics),
-                force=done == plan.total_steps,
-            )
-        side_start = time.perf_counter()
-        if config.eval_every and done % config.eval_every == 0 and done != plan.total_steps:
-            run_evaluation(done)
-        saved = None
-        if checkpointer and (done % config.checkpoint_every == 0 or done == plan.total_steps):
-            saved = save(done)
-        side_seconds += time.perf_counter() - side_start
-        signum = trainer.agree_to_stop(stop.signum or 0)
-        if signum and done < plan.total_steps:
-            saved = saved or (save(done) if checkpointer else None)
-            if progress:
-                progress.close()
-            if summaries:
-                summaries.close()
-            raise Stopped(signum, done, saved)
-    seconds = time.perf_counter() - start
-    if progress:
-        progress.close()
-
-    steps_run = plan.total_steps - start_step
-    steady_seconds = seconds - side_seconds - first_step_seconds
-    images_per_second = (
-        examples_in(start_step + 1, plan.total_steps) / steady_seconds
-        if steps_run > 1
-        else examples_in(start_step, plan.total_steps) / max(seconds, 1e-9)
-    )
-    say(
-        f"time for {steps_run} iterations of {plan.spec.name} on "
-        f"{len(plan.devices)} {trainer.unit}, mode {config.mode}: {seconds:f} sec "
-        f"(first step {first_step_seconds:.2f} sec with tracing; then "
-        f"{images_per_second:.0f} images/sec)"
-    )
-    run_evaluation(plan.total_steps)
+    plan, trainer = state.plan, state.trainer
+    config, last = plan.config, state.metrics
+    evals = state.result.get("evals", [])
     final = evals[-1] if evals else {}
-    result = FitResult(
+    if "val_logs" in state.result:  # Keras' validation, at the last epoch that ran one
+        final = {f"test_{k}": v for k, v in state.result["val_logs"].items()}
+    optimizer = trainer.optimizer
+    return FitResult(
         {
             "mode": config.mode,
             "model": plan.spec.name,
             "dataset": config.dataset,
             "devices": [short_name(d) for d in plan.devices],
-            "shards": shards,
+            "shards": state.result["shards"],
             "final_shards": list(trainer.shards),
             "powers": config.powers if config.powers == AUTO else list(config.powers) or None,
             "reduce": config.reduce if config.mode == "weighted" else None,
             **split_info,
-            "rebalances": rebalancing.resplits if rebalancing else [],
-            "device_seconds": rebalancing.seconds() if rebalancing else None,
-            "batch_size": batch,
+            "rebalances": state.result.get("rebalances", []),
+            "device_seconds": state.result.get("device_seconds"),
+            "batch_size": config.batch_size,
             "iterations": plan.total_steps,
-            "start_iteration": start_step,
-            "steps_per_epoch": plan.steps_per_epoch,
+            "start_iteration": state.start_step,
+            "steps_per_epoch": plan.batches_per_pass,
             "drop_remainder": config.drop_remainder,
-            "learning_rate": config.learning_rate,
-            "optimizer": trainer.optimizer.__class__.__name__,
+            "learning_rate": learning_rate(optimizer),
+            "optimizer": type(optimizer).__name__,
+            "optimizer_config": optimizer_config(optimizer),
             "seed": config.seed,
             "init": config.init,
-            "log": history,
+            "log": state.result["log"],
             "final_loss": last["loss"] if last else None,
             "final_accuracy": last.get("accuracy") if last else None,
             "final_metrics": last,
             "test_accuracy": final.get("test_accuracy"),
             "test_metrics": {k[5:]: v for k, v in final.items() if k.startswith("test_")} or None,
             "evals": evals,
-            "seconds": seconds,
-            "first_step_seconds": first_step_seconds,
-            "images_per_second": images_per_second,
+            "history": state.result.get("history"),
+            "epochs": state.result.get("epochs"),
+            "seconds": state.result["seconds"],
+            "first_step_seconds": state.result["first_step_seconds"],
+            "images_per_second": state.result["images_per_second"],
             "model_dir": config.model_dir,
             "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
             "onednn": onednn.enabled(),
@@ -624,79 +547,21 @@ def train_loop(plan: Plan, trainer, stop: StopSignals, log: Callable[[str], None
             **trainer.result_info(),  # chains; multiworker: this worker, chief, its slice
         }
     )
-    if config.model_dir and trainer.is_chief:
-        summaries.close()
-        export_model(trainer.model, os.path.join(config.model_dir, "model.keras"))
-        write_atomically(
-            os.path.join(config.model_dir, "result.json"), json.dumps(result, indent=2) + "\n"
-        )
-    trainer.finish()  # multiworker: the workers leave together, after the chief's writes
-    result.model = trainer.model
-    return result
+
+
+def optimizer_config(optimizer) -> dict:
+    """The optimizer's settings (Keras' `get_config`), as JSON can hold them."""
+    import json
+
+    return json.loads(json.dumps(optimizer.get_config(), default=repr))
+
+
+def write_run_files(model_dir: str, model, result: dict) -> None:
+    """model.keras and result.json, each whole or absent."""
+    export_model(model, os.path.join(model_dir, "model.keras"))
+    write_atomically(os.path.join(model_dir, "result.json"), json.dumps(result, indent=2) + "\n")
 
 
 def train(config: Config, log: Callable[[str], None] = print) -> dict:
     """Validates, loads data and trains; returns the result dict."""
     return run(prepare(config), log)
-
-
-def fit(
-    model,
-    train_data,
-    validation_data=None,
-    *,
-    config: Config | None = None,
-    log: Callable[[str], None] = print,
-    **settings,
-) -> FitResult:
-    """Trains a user's Keras model on a user's data with tfdp's engine.
-
-        result = tfdp.fit(model, (x, y), validation_data=(x_val, y_val),
-                          mode="weighted", devices="gpu:0,cpu:0", powers="auto",
-                          batch_size=256, epochs=1)
-        result["test_metrics"]   # the compiled metrics on the validation data
-        result.model             # the trained model (also `model`, when one was given)
-
-    Args:
-      model: a compiled Keras 3 model (its loss, loss weights, optimizer and
-        metrics are used), or a function of no arguments that returns one;
-        tfdp builds one copy per device (in a strategy's scope where the mode
-        has one) and starts every copy from the same weights.
-      train_data, validation_data: what Keras `fit` takes as data: numpy arrays
-        or nested structures of them (`(x, y)`, `(x, y, sample_weight)`, dict
-        inputs), or an unbatched, finite `tf.data.Dataset` of such elements.
-        tfdp batches to the global batch and splits every leaf along it.
-      config: a `tfdp.Config`; or its fields as keywords (`mode`, `devices`,
-        `powers`, `batch_size`, `epochs` or `iterations`, `model_dir`,
-        `rebalance_every`, ...). `learning_rate` and `init` apply to the
-        built-in models only: a user's model brings its own optimizer and weights.
-        `precision` builds a model function's copies under that Keras dtype
-        policy (Keras' compile adds loss scaling for mixed_float16); a model
-        object keeps its dtypes. `jit_compile` compiles each device's forward
-        and backward pass with XLA.
-      log: where the run's lines go.
-
-    Returns:
-      The result dict (what `result.json` holds), with the trained model as
-      `result.model`. When `model` is a Keras model, its weights are set to the
-      trained ones too, as Keras `fit` leaves them; with `model_dir`,
-      `model.keras` there is the trained model, loadable by `keras.models.load_model`.
-
-    Raises:
-      ConfigError: bad settings, data or model, before any training work.
-    """
-    if config is not None and settings:
-        raise ConfigError("config", config, f"and settings {sorted(settings)} both given; give one")
-    if config is None:
-        name = getattr(model, "name", getattr(model, "__name__", "model"))
-        try:
-            config = Config(**{"model": f"fit:{name}", "dataset": "fit:data", **settings})
-        except TypeError as error:  # an unknown keyword
-            raise ConfigError("settings", sorted(settings), str(error)) from None
-    plan = prepare(config, model=model, train_data=train_data, validation_data=validation_data)
-    result = run(plan, log)
-    import keras
-
-    if isinstance(model, keras.Model):
-        model.set_weights(result.model.get_weights())
-    return result

@@ -146,10 +146,10 @@ def _powers(value):
 def measure(spec: MixedSpec, config, trainer, arrays, job: dict) -> dict:
     """From the initial weights and the spec's starting split: warm up, then time."""
     from tfdp.balance import Rebalancing, measure_powers, settle_under_load, whole_shares
-    from tfdp.observe import CpuAccounting
     from tfdp.data import first_examples, train_dataset
     from tfdp.devices import split_batch
     from tfdp.models import initial_weights
+    from tfdp.observe import CpuAccounting
 
     batch = config.batch_size
     probe_seconds, powers, alone_shards = 0.0, None, None

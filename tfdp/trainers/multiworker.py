@@ -192,9 +192,11 @@ class MultiWorkerTrainer(Trainer):
         on the same steps, as the loop does on logged steps)."""
         from tfdp.objective import concat
 
+        if metrics.get("gathered"):
+            return metrics
         joined = self._all_gather((concat(metrics["batches"]), concat(metrics["predictions"])))
         batch, predictions = joined
-        return {**metrics, "batches": (batch,), "predictions": (predictions,)}
+        return {**metrics, "batches": (batch,), "predictions": (predictions,), "gathered": True}
 
     def _gather_slices(self, local):
         # One replica per worker on CPUs; with several local GPUs, the first local

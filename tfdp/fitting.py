@@ -1,0 +1,215 @@
+"""`tfdp.fit`: `keras.Model.fit`'s arguments and meanings, on tfdp's engine.
+
+A training script moves onto tfdp by replacing `model.fit(` with
+`tfdp.fit(model, ` and adding tfdp's own settings as keywords. Keras' data
+handling is Keras' own where it decides what is trained on (the validation
+split, class weights), and tfdp's where it must be the same in every mode and
+over a restart (the batch order is a function of the seed and the epoch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+from tfdp.config import Config
+from tfdp.errors import ConfigError
+
+KERAS_BATCH_SIZE = 32  # Keras fit's default
+
+
+def fit(
+    model,
+    x=None,
+    y=None,
+    batch_size=None,
+    epochs=1,
+    verbose="auto",
+    callbacks=None,
+    validation_split=0.0,
+    validation_data=None,
+    shuffle=True,
+    class_weight=None,
+    sample_weight=None,
+    initial_epoch=0,
+    steps_per_epoch=None,
+    validation_steps=None,
+    validation_batch_size=None,
+    validation_freq=1,
+    *,
+    config: Config | None = None,
+    log: Callable[[str], None] | None = None,
+    **settings,
+):
+    """Trains `model` as `model.fit(x, y, ...)` would, on tfdp's devices and modes.
+
+        history = tfdp.fit(model, x, y, batch_size=256, epochs=10, validation_split=0.1,
+                           callbacks=[keras.callbacks.EarlyStopping(patience=2)],
+                           mode="weighted", devices="gpu:0,cpu:0", powers="auto")
+        history.history["val_loss"]   # Keras' History
+        history.result                # tfdp's result (what result.json holds)
+
+    Args:
+      model: a compiled Keras 3 model (its loss, loss weights, optimizer and
+        metrics are used), or a function of no arguments that returns one.
+        A model you pass ends with the trained weights, as after Keras' fit.
+      x, y, sample_weight: the training data, as Keras `fit` takes it: arrays
+        (dict or list inputs too), or an unbatched `tf.data.Dataset` of
+        `(x, y)` or `(x, y, sample_weight)` elements (then y is None).
+      batch_size: the global batch, split over the devices (default 32).
+      epochs, initial_epoch, steps_per_epoch: as in Keras; with
+        `steps_per_epoch`, the input goes on where the last epoch stopped.
+      verbose: Keras' progress bar ("auto" or 1: a bar, 2: a line per epoch,
+        0: silent, tfdp's own start-up lines too).
+      callbacks: keras.callbacks.Callback instances, called as `fit` calls
+        them; `BackupAndRestore` is refused: give `model_dir` instead.
+      validation_split, validation_data, validation_steps,
+        validation_batch_size, validation_freq: as in Keras.
+      shuffle: True (each epoch in a new order, a function of `seed` and the
+        epoch), False (in order) or "batch".
+      class_weight: as in Keras (Keras turns it into sample weights).
+      config: a `tfdp.Config` of tfdp's settings; or its fields as keywords
+        (`mode`, `devices`, `powers`, `rebalance_every`, `model_dir`, `seed`,
+        `precision`, `jit_compile`, ...).
+      log: where tfdp's own lines go (default: print, none with verbose=0).
+
+    Returns:
+      Keras' `History` (also `model.history`), with tfdp's result as
+      `history.result` (`result.model`: the trained model).
+
+    Raises:
+      ConfigError: bad settings, data, model or callbacks, before any training.
+    """
+    import keras
+
+    from tfdp import training
+    from tfdp.hooks.keras import check_callbacks
+
+    callbacks = check_callbacks(callbacks)
+    if config is not None and settings:
+        raise ConfigError("config", config, f"and settings {sorted(settings)} both given; give one")
+    train, validation = fit_data(
+        x, y, sample_weight, class_weight, validation_split, validation_data
+    )
+    if config is None:
+        name = model_name(model)
+        keras_settings = {
+            "batch_size": batch_size or default_batch_size(train, steps_per_epoch),
+            "epochs": None if "iterations" in settings else epochs,
+            "initial_epoch": initial_epoch,
+            "steps_per_epoch": steps_per_epoch,
+            "shuffle": shuffle,
+            "log_every": 0,  # Keras' progress bar shows the training
+        }
+        try:
+            config = Config(
+                **{"model": f"fit:{name}", "dataset": "fit:data", **keras_settings, **settings}
+            )
+        except TypeError as error:  # an unknown keyword
+            raise ConfigError("settings", sorted(settings), str(error)) from None
+    plan = training.prepare(config, model=model, train_data=train, validation_data=validation)
+    run_validation = None
+    if plan.test_data is not None:
+        run_validation = (
+            plan.test_data,
+            validation_batch_size or config.batch_size,
+            validation_steps,
+            validation_freq,
+        )
+        plan = plan.without_test_data()  # validated at the epochs' ends, as Keras does
+    if log is None:
+        log = (lambda line: None) if verbose == 0 else print
+    result = training.run(
+        plan, log, callbacks=callbacks, verbose=verbose, validation=run_validation
+    )
+    history = result.history
+    if history is None:  # a finished run, run again: the History it saved
+        history = keras.callbacks.History()
+        history.history = dict(result.get("history") or {})
+        history.epoch = list(result.get("epochs") or [])
+        history.set_model(result.model)
+    if isinstance(model, keras.Model):
+        model.set_weights(result.model.get_weights())
+        model.history = history
+        model.stop_training = result.model.stop_training
+    history.result = result
+    return history
+
+
+def model_name(model) -> str:
+    """What the checkpoints call the model: a factory's name, or a model's class and the
+    shapes of its weights (Keras numbers the names of unnamed models per process, so a
+    resumed script's model would be called another name)."""
+    import keras
+
+    if not isinstance(model, keras.Model):
+        return getattr(model, "__qualname__", type(model).__name__)
+    shapes = ",".join("x".join(map(str, w.shape)) or "1" for w in model.weights)
+    digest = hashlib.sha256(shapes.encode()).hexdigest()[:12]
+    return f"{type(model).__name__}-{len(model.weights)}-weights-{digest}"
+
+
+def default_batch_size(train, steps_per_epoch) -> int:
+    """Keras' default: 32, or with `steps_per_epoch` the batch that covers the data in it."""
+    if steps_per_epoch is None:
+        return KERAS_BATCH_SIZE
+    from tfdp import data as data_lib
+
+    examples = data_lib.size(train)
+    return -(-examples // steps_per_epoch)
+
+
+def fit_data(x, y, sample_weight, class_weight, validation_split, validation_data):
+    """(train, validation) as tfdp holds them: nested arrays (or None), from Keras fit's
+    data arguments. The validation split and the class weights are Keras' own."""
+    import tensorflow as tf
+    from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
+
+    from tfdp import sources
+
+    if isinstance(x, tf.data.Dataset):
+        if y is not None or sample_weight is not None:
+            raise ConfigError(
+                "y",
+                type(y).__name__,
+                "must be None when x is a dataset: its elements hold the targets",
+            )
+        if validation_split:
+            raise ConfigError(
+                "validation_split", validation_split, "needs arrays; give validation_data instead"
+            )
+        train = sources.as_arrays(x, "x")
+    else:
+        if x is None:
+            raise ConfigError("x", None, "has no training data")
+        if y is None:
+            raise ConfigError(
+                "y",
+                None,
+                "has no targets: tfdp.fit(model, x, y) takes them as Keras fit does (a "
+                "tuple (x, y) as x is the inputs of a model with two inputs)",
+            )
+        if not 0 <= validation_split < 1:
+            raise ConfigError("validation_split", validation_split, "must be in [0, 1)")
+        validation = None
+        if validation_split and validation_data is None:
+            (x, y, sample_weight), validation = array_slicing.train_validation_split(
+                (x, y, sample_weight), validation_split=validation_split
+            )
+            validation_data = validation
+        train = (x, y) if sample_weight is None else (x, y, sample_weight)
+        train = sources.as_arrays(train, "x")
+    if class_weight is not None:
+        x_train, y_train, weights = data_adapter_utils.unpack_x_y_sample_weight(train)
+        if weights is not None:
+            raise ConfigError(
+                "class_weight", class_weight, "and sample_weight both given; Keras takes one"
+            )
+        weights = data_adapter_utils.class_weight_to_sample_weights(y_train, class_weight)
+        train = (x_train, y_train, weights)
+    if validation_data is not None and not isinstance(validation_data, tf.data.Dataset):
+        val_x, val_y, val_weight = data_adapter_utils.unpack_x_y_sample_weight(
+            tuple(validation_data) if isinstance(validation_data, list) else validation_data
+        )
+        validation_data = (val_x, val_y) if val_weight is None else (val_x, val_y, val_weight)
+    return train, sources.as_arrays(validation_data, "validation_data")

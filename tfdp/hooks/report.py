@@ -1,0 +1,146 @@
+"""What a person watching a run reads: the tutorial's lines and the live progress line."""
+
+from __future__ import annotations
+
+import time
+
+from tfdp.devices import short_name
+from tfdp.loop import Hook
+
+
+def learning_rate(optimizer) -> float:
+    """The rate `optimizer` applies at its next step: a schedule's value at its iteration
+    count, a wrapped optimizer's (loss scaling) its inner one's."""
+    import tensorflow as tf
+
+    rate = optimizer.learning_rate  # a Keras variable, mirrored under a strategy, or a tensor
+    return float(tf.convert_to_tensor(getattr(rate, "value", rate)))
+
+
+def schedule_of(optimizer):
+    """The optimizer's learning-rate schedule, or None for a fixed (settable) rate."""
+    import keras
+
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    rate = getattr(inner, "_learning_rate", None)
+    return rate if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) else None
+
+
+def banner(plan, trainer, start_step: int, shards: list[int]) -> str:
+    """The batch arithmetic, printed once at start."""
+    config, n = plan.config, len(plan.devices)
+    split = " + ".join(str(s) for s in shards)
+    epochs = plan.total_steps / plan.batches_per_pass
+    text = (
+        f"global batch {config.batch_size} = {split} over {n} {trainer.unit}, mode {config.mode}; "
+        f"{plan.batches_per_pass} steps per epoch of {plan.examples} examples; "
+        f"{plan.total_steps} iterations ({epochs:.2f} epochs) at learning rate "
+        f"{learning_rate(trainer.optimizer):g}"
+    )
+    schedule = schedule_of(trainer.optimizer)
+    if schedule is not None:  # its value at the first step
+        text += f" ({type(schedule).__name__} at iteration {start_step})"
+    text += trainer.describe()
+    if config.rebalance_every:
+        text += (
+            f"; re-split by measured device times, in windows of up to "
+            f"{config.rebalance_every} iterations"
+        )
+    if start_step:
+        text += f"; resuming at iteration {start_step} from {config.model_dir}"
+    if config.mode == "weighted" and config.reduce == "device0":
+        from tfdp.devices import master_on_cpu
+
+        warning = master_on_cpu(plan.devices)
+        if warning:
+            text += f"; warning: {warning}"
+    return text
+
+
+def step_metrics(objective, outputs) -> dict[str, float]:
+    """The loss and compiled metrics of a step's global batch, on the host."""
+    from tfdp.objective import concat
+
+    if "batches" in outputs:  # per-replica batches (mirrored_input dataset)
+        batch = concat(outputs["batches"])
+    else:
+        batch = outputs["batch"]
+    values = objective.batch_metrics(batch, concat(outputs["predictions"]))
+    return {**values, "loss": float(outputs["loss"])}
+
+
+def described(values: dict[str, float], prefix: str = "") -> str:
+    """'accuracy 0.910000, loss 0.300000': the metrics first, as the tutorial prints them."""
+    names = [name for name in values if name != "loss"] + ["loss"]
+    return ", ".join(f"{prefix}{name} {values[name]:f}" for name in names if name in values)
+
+
+class TutorialLog(Hook):
+    """The tutorial's lines: the workload partition and the batch arithmetic first, the
+    training batch's metrics every `log_every` iterations, then the time; also starts
+    the run's clock. With `log_every` 0 only the first and last lines are printed."""
+
+    def on_train_begin(self, run):
+        shards = list(run.trainer.shards)
+        pairs = [(short_name(d), n) for d, n in zip(run.plan.devices, shards)]
+        run.say(f"workload partition: {pairs}")
+        run.say(banner(run.plan, run.trainer, run.start_step, shards))
+        run.result.update(shards=shards, log=[])
+        run.clock.start = time.perf_counter()
+
+    def on_step_end(self, run, step):
+        if step == run.start_step:
+            float(run.outputs["loss"])  # wait for the first step: it includes tracing
+            run.clock.first_step_seconds = run.clock.seconds()
+        if not run.plan.is_log_point(step):
+            return
+        run.outputs = run.trainer.global_outputs(run.outputs)  # multiworker: the whole batch
+        run.metrics = step_metrics(run.plan.spec.objective, run.outputs)
+        if run.plan.logs(step):
+            run.result["log"].append({"iteration": step, **run.metrics})
+            run.say(f"iteration {step}, {described(run.metrics)}")
+
+    def on_train_end(self, run):
+        plan, clock = run.plan, run.clock
+        seconds = clock.seconds()
+        steps_run = plan.total_steps - run.start_step
+        steady = seconds - clock.side_seconds - clock.first_step_seconds
+        images_per_second = (
+            plan.examples_in(run.start_step + 1, plan.total_steps) / steady
+            if steps_run > 1
+            else plan.examples_in(run.start_step, plan.total_steps) / max(seconds, 1e-9)
+        )
+        run.say(
+            f"time for {steps_run} iterations of {plan.spec.name} on "
+            f"{len(plan.devices)} {run.trainer.unit}, mode {plan.config.mode}: {seconds:f} sec "
+            f"(first step {clock.first_step_seconds:.2f} sec with tracing; then "
+            f"{images_per_second:.0f} images/sec)"
+        )
+        run.result.update(
+            seconds=seconds,
+            first_step_seconds=clock.first_step_seconds,
+            images_per_second=images_per_second,
+        )
+
+
+class ProgressLine(Hook):
+    """One line on stderr, rewritten in place (`observe.Progress`)."""
+
+    def __init__(self, progress):
+        self.progress = progress
+
+    def on_train_begin(self, run):
+        run.progress = self.progress
+
+    def on_step_end(self, run, step):
+        self.run = run
+        done = step + 1
+        self.progress.update(done, self.metrics, force=done == run.plan.total_steps)
+
+    def metrics(self):
+        """The last step's metrics, read only when the line is shown."""
+        return step_metrics(self.run.plan.spec.objective, self.run.outputs)
+
+    def close(self, run):
+        self.progress.close()
+        run.progress = None

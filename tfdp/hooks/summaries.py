@@ -1,0 +1,36 @@
+"""TensorBoard scalars at the logged steps."""
+
+from __future__ import annotations
+
+from tfdp.devices import short_name
+from tfdp.hooks.report import learning_rate
+from tfdp.loop import Hook
+
+
+class TrainSummaries(Hook):
+    """Under DIR/train at each logged step: the loss and metrics of the step's batch, the
+    optimizer's learning rate, images/s so far and each device's share.
+
+    summaries: the run's `observe.Summaries` (the chief's only).
+    """
+
+    def __init__(self, summaries):
+        self.summaries = summaries
+
+    def on_step_end(self, run, step):
+        if not run.plan.logs(step):
+            return
+        seconds = max(run.clock.training_seconds(), 1e-9)
+        shares = zip(run.plan.devices, run.trainer.shards)
+        self.summaries.write_train(
+            step,
+            {
+                **run.metrics,
+                "learning_rate": learning_rate(run.trainer.optimizer),
+                "images_per_second": run.plan.examples_in(run.start_step, step + 1) / seconds,
+                **{f"shard/{short_name(d)}": n for d, n in shares},
+            },
+        )
+
+    def close(self, run):
+        self.summaries.close()
