@@ -27,8 +27,13 @@ TOY_RUN = [
 @pytest.mark.slow
 def test_toy_run_writes_result_json(tmp_path):
     path = tmp_path / "result.json"
-    process = tfdp(*TOY_RUN, f"--result_json={path}")
+    env = environment()
+    del env["TF_CPP_MIN_LOG_LEVEL"]  # as a user runs it: tfdp quiets TensorFlow's start-up
+    process = tfdp(*TOY_RUN, f"--result_json={path}", env=env)
     assert process.returncode == 0, process.stderr
+    # TensorFlow's C++ start-up lines (absl's notice, oneDNN, CUDA probing) are not shown
+    assert "InitializeLog" not in process.stderr and "oneDNN" not in process.stderr
+    assert "cuInit" not in process.stderr and "cuda" not in process.stderr.lower()
     lines = process.stdout.splitlines()
     assert lines[0] == "workload partition: [('CPU:0', 17), ('CPU:1', 83)]"
     assert lines[1].startswith("global batch 100 = 17 + 83 over 2 device(s), mode weighted; ")

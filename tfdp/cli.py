@@ -16,8 +16,11 @@ import json
 import os
 import sys
 
-# Before TensorFlow is first imported: keep its C++ start-up chatter out of the run's output,
-# and turn on oneDNN's CPU kernels where TensorFlow leaves them off (onednn.py).
+# Before TensorFlow is first imported: keep its C++ start-up chatter out of the run's output
+# (the level hides its later INFO lines; chatter.py the lines written before absl's logging
+# is set up), and turn on oneDNN's CPU kernels where TensorFlow leaves them off (onednn.py).
+from tfdp import chatter  # noqa: E402  (reads whether the user set TF_CPP_MIN_LOG_LEVEL)
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from tfdp import onednn  # noqa: E402
@@ -203,10 +206,11 @@ def main(argv: list[str]) -> None:
         logging.set_verbosity(logging.WARNING)
     try:
         config = checked_config(argv)
-        set_up_process(config)
-        from tfdp import training  # imports TensorFlow: after the checks that need none
+        with chatter.filtered_stderr():  # TensorFlow starts up in here
+            set_up_process(config)
+            from tfdp import training  # imports TensorFlow: after the checks that need none
 
-        plan = training.prepare(config)
+            plan = training.prepare(config)
     except ConfigError as error:
         _fail(error_line(error))
     try:
