@@ -39,3 +39,15 @@ def mnist_dir():
 def images():
     """600 random MNIST-shaped examples: six batches of 100."""
     return random_images(600)
+
+
+def pytest_collection_modifyitems(items):
+    """The modules with the most slow tests first, each module's tests in their order: with
+    a module per test process (`--dist=loadfile`), the long ones start at once and the
+    short ones fill in around them."""
+    slow, first_seen = {}, {}
+    for index, item in enumerate(items):
+        module = item.nodeid.split("::")[0]
+        first_seen.setdefault(module, index)
+        slow[module] = slow.get(module, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: (-slow[m := item.nodeid.split("::")[0]], first_seen[m]))

@@ -508,3 +508,48 @@ def test_the_history_holds_tfdps_result():
         history.history
     )
     assert json.loads(json.dumps(history.result)) == history.result
+
+
+class BatchCounter(keras.callbacks.Callback):
+    """A user's callback that exposes its state: the batches it has seen."""
+
+    def __init__(self, crash_at=None):
+        super().__init__()
+        self.batches, self.crash_at = 0, crash_at
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+        if self.batches == self.crash_at:
+            raise RuntimeError("the machine went down")
+
+    def state_dict(self):
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state):
+        self.batches = state["batches"]
+
+
+def test_a_user_callbacks_state_survives_a_crash(tmp_path):
+    """A run that dies after the checkpoint of step 8 and is run again: the callback
+    counts the batches of the whole run, as in one unbroken `model.fit`."""
+    x, y = small_data()
+    fit = dict(batch_size=20, epochs=3, shuffle=False, verbose=0)
+    keras_counter = BatchCounter()
+    small_model().fit(x, y, callbacks=[keras_counter], **fit)
+    model_dir = str(tmp_path / "run")
+    with pytest.raises(RuntimeError, match="went down"):
+        tfdp.fit(
+            small_model(),
+            x,
+            y,
+            callbacks=[BatchCounter(crash_at=10)],
+            model_dir=model_dir,
+            checkpoint_every=4,
+            **fit,
+        )
+    assert latest_step(model_dir) == 8
+    counter = BatchCounter()
+    tfdp.fit(
+        small_model(), x, y, callbacks=[counter], model_dir=model_dir, checkpoint_every=4, **fit
+    )
+    assert counter.batches == keras_counter.batches == 18

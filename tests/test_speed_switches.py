@@ -64,9 +64,18 @@ def singles(images):
     }
 
 
+# Every switch on the all-reduce (mirrored) and on the host-timed weighted step; the
+# other splits with XLA, the switch that changes the step's program the most.
+CASES = [
+    (switch, *mode)
+    for switch in SWITCHES
+    for mode in MODES
+    if switch == "jit" or mode in (MODES[0], MODES[3])
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, devices, powers, options", MODES)
-@pytest.mark.parametrize("switch", SWITCHES)
+@pytest.mark.parametrize("switch, mode, devices, powers, options", CASES)
 def test_every_mode_makes_the_update_of_single(
     switch, mode, devices, powers, options, images, singles
 ):

@@ -3,6 +3,8 @@ plain Keras makes on the whole global batch (its compiled loss with sample weigh
 model.losses, its optimizer with global clipping), and bad models and data are
 refused before any work."""
 
+import os
+
 import helpers
 import keras
 import numpy as np
@@ -462,3 +464,36 @@ def test_a_user_model_resumes_exactly(data, tmp_path):
     for got, want in zip(resumed.model.get_weights(), straight.model.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert resumed["final_loss"] == pytest.approx(straight["final_loss"], rel=1e-5)
+
+
+def test_the_example_cnn_reports_its_own_learning_rate(tmp_path):
+    """The example compiles AdamW at 2e-3: the banner, the result and TensorBoard say so."""
+    model_dir = str(tmp_path / "run")
+    config = Config(
+        mode="weighted",
+        devices="cpu:0,cpu:1",
+        powers=(1, 3),
+        model=os.path.join(helpers.ROOT, "examples", "mnist_cnn.py") + ":make_model",
+        mnist_dir=str(tmp_path / "mnist"),
+        batch_size=64,
+        iterations=4,
+        log_every=2,
+        model_dir=model_dir,
+    )
+    (tmp_path / "mnist").mkdir()
+    helpers.write_mnist_dir(tmp_path / "mnist", 256, 64)
+    result, lines = helpers.train(config)
+    banner = next(line for line in lines if line.startswith("global batch 64 = 16 + 48"))
+    assert "at learning rate 0.002;" in banner, banner
+    assert result["learning_rate"] == pytest.approx(2e-3)
+    assert result["optimizer_config"]["class"] == "AdamW"
+    assert result["optimizer_config"]["weight_decay"] == pytest.approx(1e-4)
+    rates = []
+    for name in os.listdir(os.path.join(model_dir, "train")):
+        for event in tf.compat.v1.train.summary_iterator(os.path.join(model_dir, "train", name)):
+            rates += [
+                float(tf.make_ndarray(v.tensor))
+                for v in event.summary.value
+                if v.tag == "learning_rate"
+            ]
+    assert rates == pytest.approx([2e-3, 2e-3])

@@ -5,7 +5,7 @@ sends SIGINT. While a run trains, either one only raises a flag: the loop
 finishes the step it is in, saves a checkpoint of that step (never a
 half-done one) and raises `Stopped`, and the command exits with the
 conventional status (128 + the signal's number). In a cluster the workers
-agree first on the step to stop at (`Trainer.agree_to_stop`), so all of them
+agree first on the step to stop at (`exchange.Cluster.agree_to_stop`), so all of them
 save the same step.
 """
 

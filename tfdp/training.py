@@ -427,7 +427,8 @@ def run(
             Progress(plan.total_steps, config.batch_size, start_step) if config.progress else None
         )
         state = Run(plan, trainer, None, log, start_step, start_step, progress=progress)
-        split_info, probe = set_up_split(state, checkpointer)
+        split = trainer.Split(trainer)
+        split_info, probe = set_up_split(state, split, checkpointer)
         state.iterator = trainer.distribute(  # after the split is set
             data_lib.train_dataset(
                 plan.train_data,
@@ -441,7 +442,7 @@ def run(
         summaries = Summaries(config.model_dir) if config.model_dir and trainer.is_chief else None
         guard = FiniteGuard(checkpointer)
         checkpoints = Checkpoints(checkpointer, guard) if checkpointer else None
-        rebalancing = trainer.rebalancing(config.rebalance_every, state.say, probe)
+        rebalancing = split.rebalancing(config.rebalance_every, state.say, probe)
         keras_callbacks = None
         if callbacks is not None:
             keras_callbacks = KerasCallbacks(
@@ -467,21 +468,19 @@ def run(
         result = result_of(state, split_info)
         if config.model_dir and trainer.is_chief:
             write_run_files(config.model_dir, trainer.model, result)
-        trainer.finish()  # multiworker: the workers leave together, after the chief's writes
+        trainer.exchange.finish()  # multiworker: the workers leave together, after the chief's writes
     result.model = trainer.model
     result.history = keras_callbacks.history if keras_callbacks else None
     return result
 
 
-def set_up_split(state: Run, checkpointer) -> tuple[dict, object]:
+def set_up_split(state: Run, split, checkpointer) -> tuple[dict, object]:
     """The split the run starts from: the one saved with the checkpoint it resumes from
-    (when measured), else measured or calibrated (`Trainer.set_up_split`). Returns what
+    (when measured), else measured or calibrated (`split.DeviceSplit.set_up`). Returns what
     was set up, for the result, and the probe rebalancing carries on from."""
     config, trainer = state.plan.config, state.trainer
     resumed = resumed_shares(config, trainer, checkpointer) if state.start_step else None
-    split_info, probe = trainer.set_up_split(
-        config, state.plan.train_data, state.say, resumed is None
-    )
+    split_info, probe = split.set_up(config, state.plan.train_data, state.say, resumed is None)
     split_info["resumed_shares"] = resumed
     if resumed:
         trainer.set_shards(resumed["shards"])
@@ -550,10 +549,12 @@ def result_of(state: Run, split_info: dict) -> FitResult:
 
 
 def optimizer_config(optimizer) -> dict:
-    """The optimizer's settings (Keras' `get_config`), as JSON can hold them."""
+    """The optimizer's class and settings (Keras' `get_config`), as JSON can hold them."""
     import json
 
-    return json.loads(json.dumps(optimizer.get_config(), default=repr))
+    inner = getattr(optimizer, "inner_optimizer", optimizer)  # under loss scaling: the user's
+    settings = {"class": type(inner).__name__, **inner.get_config()}
+    return json.loads(json.dumps(settings, default=repr))
 
 
 def write_run_files(model_dir: str, model, result: dict) -> None:

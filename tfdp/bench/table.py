@@ -234,7 +234,7 @@ def measure_tfdp(spec: Spec, job: dict) -> dict:
     probe_seconds = 0.0
     if spec.powers == AUTO:  # each device alone, then all at once, as `tfdp` does first
         start = time.perf_counter()
-        trainer.set_up_split(config, arrays, log=lambda line: None)
+        trainer.Split(trainer).set_up(config, arrays, log=lambda line: None)
         probe_seconds = time.perf_counter() - start
     return {
         **time_tutorial_run(trainer, config, arrays, job),
@@ -259,7 +259,7 @@ def measure_multiworker(spec: Spec, job: dict) -> dict:
     """This worker's timing of the cluster's run; TF_CONFIG names the cluster.
 
     A slowdown or rebalancing is set up as `training.run` sets it up (the
-    trainer's `set_up_split` and `rebalancing`), and the bench drives the
+    trainer's split (`split.DeviceSplit`)), and the bench drives the
     rebalancing per step as its loop does."""
     from tfdp import Config
     from tfdp.cluster import join_cluster, read_cluster
@@ -285,9 +285,10 @@ def measure_multiworker(spec: Spec, job: dict) -> dict:
     model = model_spec_of(job, arrays)
     trainer = build_trainer(config, workers, shards, model)
     start = time.perf_counter()
-    info, probe = trainer.set_up_split(config, arrays, log=lambda line: None)
+    split = trainer.Split(trainer)
+    info, probe = split.set_up(config, arrays, log=lambda line: None)
     probe_seconds = time.perf_counter() - start
-    rebalancing = trainer.rebalancing(config.rebalance_every, lambda line: None, probe)
+    rebalancing = split.rebalancing(config.rebalance_every, lambda line: None, probe)
     return {
         **time_tutorial_run(trainer, config, arrays, job, rebalancing),
         "probe_seconds": probe_seconds,

@@ -7,9 +7,9 @@ from tfdp.signals import Stopped
 
 
 class StopOnSignal(Hook):
-    """After each step, asks whether to stop (`Trainer.agree_to_stop`: in a cluster, every
-    worker gets the same answer); if so, saves the step and raises `Stopped`. A step that
-    ends an epoch stops after the epoch's end, saved with it.
+    """After each step, asks whether to stop (`exchange.Local.agree_to_stop`; in a cluster,
+    every worker gets the same answer); if so, saves the step and raises `Stopped`. A step
+    that ends an epoch stops after the epoch's end, saved with it.
 
     signals: the run's `signals.StopSignals`.
     checkpoints: the run's `Checkpoints` hook, or None without `model_dir`.
@@ -21,7 +21,7 @@ class StopOnSignal(Hook):
         self.signum = 0
 
     def on_step_end(self, run, step):
-        self.signum = run.trainer.agree_to_stop(self.signals.signum or 0)
+        self.signum = run.trainer.exchange.agree_to_stop(self.signals.signum or 0)
         if self.signum and run.step < run.plan.total_steps and not run.ends_epoch(step):
             self.stop(run)
 

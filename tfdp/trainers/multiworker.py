@@ -19,9 +19,9 @@ backward pass (`steps.timed_replica_gradients`); the seconds ride with the
 loss in the step's all-reduce, so every worker holds every worker's time,
 runs the same `balance.Rebalancing` on it and sets the same new split.
 
-Before any collective of training, the workers agree (`agree`): on every
+Before any collective of training, the workers agree (`exchange.Cluster.agree`): on every
 setting that fixes the update and on the initial weights when the trainer is
-made (before a restore), on the training data in `set_up_split`, the first
+made (before a restore), on the training data in `split.WorkerSplit.set_up`, the first
 place the trainer sees it. A difference stops every worker with ConfigError.
 
 Only the chief (task `chief`, else `worker:0`) writes the model directory;
@@ -34,23 +34,19 @@ import shutil
 import tempfile
 import time
 
-import numpy as np
-
-from tfdp import data as data_lib
 from tfdp.checkpoints import Checkpointer
 from tfdp.cluster import (
     Agreed,
     arrays_digest,
-    digest,
-    disagreement,
-    first_difference,
     join_cluster,
     read_cluster,
     settings_to_agree,
 )
-from tfdp.devices import AUTO, parse_slowdown, split_batch
+from tfdp.devices import AUTO, split_batch
 from tfdp.errors import ConfigError
+from tfdp.exchange import Cluster
 from tfdp.signals import SIGNALS
+from tfdp.split import WorkerSplit
 from tfdp.trainers.base import Trainer
 
 
@@ -58,6 +54,7 @@ class MultiWorkerTrainer(Trainer):
     """This worker's part of synchronous training over the whole cluster."""
 
     unit = "worker(s)"
+    Split = WorkerSplit
 
     def __init__(self, strategy, cluster, spec, shards, config):
         """
@@ -82,9 +79,7 @@ class MultiWorkerTrainer(Trainer):
         self.local_replicas = len(strategy.extended.worker_devices)
         self.spec = spec
         self.objective = spec.objective
-        # which of SIGNALS this worker caught, sent with the next step's loss (agree_to_stop)
-        self.signals_caught = tf.Variable([0.0] * len(SIGNALS), trainable=False)
-        self.signals_seen = []  # the summed signals of the last two steps, oldest first
+        self.exchange = Cluster(strategy, self.workers, self.index)
         # --rebalance_every or a simulated slowdown: each step times this worker
         slowdown = bool(config.simulate_slowdown)
         self.timed = bool(config.rebalance_every) or slowdown
@@ -99,10 +94,9 @@ class MultiWorkerTrainer(Trainer):
             self.optimizer.build(self.model.trainable_variables)
         self._train_step = tf.function(self._step)
         self._predict_step = tf.function(self._predict, reduce_retracing=True)
-        self._sum = tf.function(lambda values: strategy.reduce("SUM", values, axis=None))
         self._all_gather = tf.function(self._gather_slices, reduce_retracing=True)
         self.config = config
-        self.agree([*settings_to_agree(config), initial_weights(config, spec.weights)])
+        self.exchange.agree([*settings_to_agree(config), initial_weights(config, spec.weights)])
 
     def distribute(self, dataset):
         """The iterator `train_step` reads: every global batch whole. The step cuts this
@@ -126,7 +120,7 @@ class MultiWorkerTrainer(Trainer):
         """One update on the next global batch; returns the loss summed over the cluster
         and this worker's outputs."""
         metrics = self._train_step(iterator)
-        self.signals_seen = [*self.signals_seen[-1:], metrics.pop("signals")]
+        self.exchange.saw_step(metrics.pop("signals"))
         return metrics
 
     def _step(self, iterator):
@@ -183,7 +177,7 @@ class MultiWorkerTrainer(Trainer):
         # this worker's seconds at its place (the mean over its local replicas)
         own = tf.one_hot(self.index, len(self.workers), dtype=tf.float64) * seconds
         own = own / self.local_replicas
-        sent = [[loss], tf.cast(self.signals_caught, loss.dtype), tf.cast(own, loss.dtype)]
+        sent = [[loss], tf.cast(self.exchange.signals_caught, loss.dtype), tf.cast(own, loss.dtype)]
         return tf.concat(sent, 0), predictions, batch
 
     def global_outputs(self, metrics) -> dict:
@@ -223,40 +217,6 @@ class MultiWorkerTrainer(Trainer):
     def _predict(self, batch):
         return self.objective.summed_loss(self.model, batch)
 
-    def gather(self, value: float) -> list[float]:
-        """Every worker's `value`, in worker order, on every worker: one all-reduce."""
-        return self.exchange([value])[:, 0].tolist()
-
-    def exchange(self, vector) -> np.ndarray:
-        """Every worker's `vector` (as long on every worker) as rows in worker order, on
-        every worker: one all-reduce of a matrix that is zero outside this worker's row."""
-        rows = np.zeros((len(self.workers), len(vector)))
-        rows[self.index] = vector
-
-        def contribution(context):
-            first_local = context.replica_id_in_sync_group % self.local_replicas == 0
-            return self.tf.constant(rows if first_local else 0 * rows, self.tf.float64)
-
-        values = self.strategy.experimental_distribute_values_from_function(contribution)
-        return self._sum(values).numpy()
-
-    def exchange_text(self, text: str) -> list[str]:
-        """Every worker's `text`, in worker order: their lengths, then their bytes."""
-        data = text.encode()
-        lengths = [int(n) for n in self.gather(len(data))]
-        rows = self.exchange(list(data.ljust(max(lengths), b"\0")))
-        return [bytes(int(b) for b in row[:n]).decode() for row, n in zip(rows, lengths)]
-
-    def agree(self, items: list[Agreed]) -> None:
-        """Raises ConfigError on every worker, naming the first of `items` that differs
-        between the workers and each worker's copy. One all-reduce of digests (48 bits:
-        exact in float64); two more for the texts of a difference."""
-        rows = self.exchange([digest(item.text) for item in items])
-        differing = first_difference(rows.tolist())
-        if differing is not None:
-            item = items[differing]
-            raise disagreement(item, self.workers, self.exchange_text(item.text))
-
     def seconds_alone(self, batch, min_seconds: float = 0.5, min_steps: int = 5) -> float:
         """This worker's seconds for forward and backward (no all-reduce) on `batch`, on a
         local model copy, after tracing and a warm-up step: at least `min_steps` calls
@@ -289,7 +249,7 @@ class MultiWorkerTrainer(Trainer):
         """
         from tfdp.objective import num_examples
 
-        rates = self.gather(int(num_examples(batch)) / self.seconds_alone(batch))
+        rates = self.exchange.gather(int(num_examples(batch)) / self.seconds_alone(batch))
         powers = [round(r / max(rates), 4) for r in rates]
         self.set_shards(split_batch(self.global_batch_size, powers))
         return {"devices": self.workers, "images_per_second": rates, "powers": powers}
@@ -305,65 +265,15 @@ class MultiWorkerTrainer(Trainer):
         if factor != 1:
             own = (factor - 1) * self.seconds_alone(batch) / int(num_examples(batch))
         self.delay.assign(own)
-        delays = self.gather(own)
+        delays = self.exchange.gather(own)
         return {
             worker: {"factor": factors[worker], "sleep_seconds_per_example": delay}
             for worker, delay in zip(self.workers, delays)
             if worker in factors
         }
 
-    def set_up_split(self, config, train_data, log, measure=True):
-        """The workers agree on the training data (the first place the trainer sees it);
-        the simulated slowdown is calibrated; `--powers=auto`: every worker measures
-        itself and all get the same split."""
-        self.agree([training_data(config, train_data)])
-        info = {"simulated_slowdown": None, "auto_powers": None}
-        probe = data_lib.first_examples(
-            train_data, max(1, self.global_batch_size // len(self.workers))
-        )
-        factors = parse_slowdown(config.simulate_slowdown)
-        if factors:
-            slowed = self.calibrate_slowdown(probe, factors)
-            info["simulated_slowdown"] = slowed
-            log(
-                "SIMULATED SLOWDOWN (for testing; not this machine's speed): "
-                + ", ".join(
-                    f"{worker} {s['factor']:g}x slower alone "
-                    f"(sleeps {s['sleep_seconds_per_example'] * 1e3:.3f} ms per example)"
-                    for worker, s in slowed.items()
-                )
-            )
-        if not measure or config.powers != AUTO:
-            return info, None
-        auto = self.measure_powers(probe)
-        rates = ", ".join(
-            f"{w} {r:.0f}" for w, r in zip(auto["devices"], auto["images_per_second"])
-        )
-        log(f"auto powers: measured images/sec {rates}; powers {auto['powers']}")
-        info["auto_powers"] = auto
-        return info, None
-
     def checkpointer(self, config):
         return WorkerCheckpointer(config, self)
-
-    def agree_to_stop(self, signum: int) -> int:
-        """The signal a worker had caught when the step before last started, or 0; the
-        same on every worker, so that all of them stop after the same step and save it.
-
-        This worker's `signum` rides with the next step's loss (`_step`): no
-        collective of its own. The sums are read one step late, once the next step
-        is under way, so that reading them never makes the host wait for the step
-        just started (on a GPU, steps run ahead of the host). A signal is so acted
-        on two steps after it came.
-        """
-        self.signals_caught.assign([float(signum == s) for s in SIGNALS])
-        if len(self.signals_seen) < 2:
-            return 0
-        counts = self.signals_seen[0].numpy()
-        return next((s for s, count in zip(SIGNALS, counts) if count > 0), 0)
-
-    def finish(self) -> None:
-        self.gather(0)  # a barrier: the workers leave together, after the chief's writes
 
     def result_info(self) -> dict:
         """This worker's entries in the result."""
@@ -393,7 +303,7 @@ class WorkerCheckpointer(Checkpointer):
 
     def restore(self, log=print) -> int:
         step = super().restore(log)
-        steps = [int(s) for s in self.trainer.gather(step)]
+        steps = [int(s) for s in self.trainer.exchange.gather(step)]
         if len(set(steps)) > 1:
             raise ConfigError(
                 "model_dir",
@@ -431,22 +341,4 @@ def initial_weights(config, weights) -> Agreed:
         f"{len(weights)} arrays, digest {arrays_digest(weights)}",
         differs="its initial weights differ between workers",
         needs="every worker must start from the same weights (seed them the same everywhere)",
-    )
-
-
-def training_data(config, data) -> Agreed:
-    """The training data, for `agree`, named by the setting that chose it."""
-    import tensorflow as tf
-
-    field, value = "dataset", config.dataset
-    if config.dataset == "mnist" and (config.mnist_dir or config.data_dir):
-        field = "mnist_dir" if config.mnist_dir else "data_dir"
-        value = getattr(config, field)
-    leaves = [data.images, data.labels] if isinstance(data, data_lib.Arrays) else data
-    return Agreed(
-        field,
-        value,
-        f"{data_lib.size(data)} examples, digest {arrays_digest(tf.nest.flatten(leaves))}",
-        differs="the training data differs between workers",
-        needs="every worker must read the same data",
     )

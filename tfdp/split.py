@@ -1,0 +1,147 @@
+"""How each global batch is split before training: a simulated slowdown calibrated,
+`--powers=auto` measured, and the rebalancing that carries on from there.
+
+`DeviceSplit` splits over one process's devices; `WorkerSplit` over the
+workers of a cluster, who agree on the training data first. A trainer names
+its kind (`Trainer.Split`); the split sets the trainer's shards.
+"""
+
+from __future__ import annotations
+
+from tfdp import balance
+from tfdp import data as data_lib
+from tfdp.cluster import Agreed, arrays_digest
+from tfdp.devices import AUTO, parse_slowdown, short_name
+
+
+class DeviceSplit:
+    """The split over the devices of one process (modes single, mirrored, weighted)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def set_up(self, config, train_data, log, measure=True):
+        """The simulated slowdown and auto powers, before training (`balance`): the
+        slowdown is calibrated on each device alone; auto powers time each device
+        alone, then all of them at once (`balance.settle_under_load`).
+
+        With `measure` False, auto powers are not measured (a resumed run has its
+        split). Returns what was set up, for the result, and the probe under load
+        (None without auto powers), from which rebalancing carries on.
+        """
+        trainer = self.trainer
+        info = {"simulated_slowdown": None, "auto_powers": None}
+        slowdown = parse_slowdown(config.simulate_slowdown)
+        measure = measure and config.powers == AUTO
+        if not slowdown and not measure:
+            return info, None
+        probe = max(1, trainer.global_batch_size // len(trainer.devices))  # an even share
+        batch = data_lib.first_examples(train_data, probe)
+        names = [short_name(d) for d in trainer.devices]
+        if slowdown:
+            factors = [slowdown.get(d, 1.0) for d in trainer.devices]
+            delays = balance.calibrate_slowdown(trainer, batch, factors)
+            slowed = [(n, f, d) for n, f, d in zip(names, factors, delays) if f != 1]
+            info["simulated_slowdown"] = {
+                name: {"factor": f, "sleep_seconds_per_example": d} for name, f, d in slowed
+            }
+            log(
+                "SIMULATED SLOWDOWN (for testing; not this machine's speed): "
+                + ", ".join(
+                    f"{name} {f:g}x slower alone (sleeps {d * 1e3:.3f} ms per example)"
+                    for name, f, d in slowed
+                )
+            )
+        if not measure:
+            return info, None
+        rates = balance.measure_powers(trainer, batch)
+        alone = balance.whole_shares(trainer.global_batch_size, rates)
+        log(
+            f"auto powers, each device alone on {probe} examples: "
+            + ", ".join(f"{name} {r:.0f} images/s" for name, r in zip(names, rates))
+            + f"; shares {alone}"
+        )
+        trainer.set_shards(alone)
+        batch = data_lib.first_examples(train_data, trainer.global_batch_size)
+        settled = balance.settle_under_load(trainer, batch, log)
+        shards = list(trainer.shards)
+        steps = balance.PROBE_WINDOW * balance.PROBE_WINDOWS
+        log(
+            f"auto powers, all devices at once on {trainer.global_batch_size} examples for "
+            f"{steps} probe steps: shares {alone}"
+            + (f" -> {shards}" if shards != alone else " kept")
+        )
+        info["auto_powers"] = {
+            "devices": names,
+            "images_per_second": rates,
+            "probe_examples": probe,
+            "shards_alone": alone,
+            "probe_resplits": settled.resplits,
+            "powers": [s / min(shards) for s in shards],
+        }
+        return info, settled
+
+    def rebalancing(self, every: int, log, probe=None):
+        """What re-splits the batch from the step times (`balance.Rebalancing`); None
+        when the steps are not timed."""
+        trainer = self.trainer
+        if not trainer.timed:
+            return None
+        rebalancing = balance.Rebalancing(trainer, every, log)
+        if probe:
+            rebalancing.carry_over(probe)
+        return rebalancing
+
+
+class WorkerSplit(DeviceSplit):
+    """The split over the workers of a cluster (mode multiworker)."""
+
+    def set_up(self, config, train_data, log, measure=True):
+        """The workers agree on the training data (the first place the trainer sees it);
+        the simulated slowdown is calibrated; `--powers=auto`: every worker measures
+        itself and all get the same split."""
+        trainer = self.trainer
+        trainer.exchange.agree([training_data(config, train_data)])
+        info = {"simulated_slowdown": None, "auto_powers": None}
+        probe = data_lib.first_examples(
+            train_data, max(1, trainer.global_batch_size // len(trainer.workers))
+        )
+        factors = parse_slowdown(config.simulate_slowdown)
+        if factors:
+            slowed = trainer.calibrate_slowdown(probe, factors)
+            info["simulated_slowdown"] = slowed
+            log(
+                "SIMULATED SLOWDOWN (for testing; not this machine's speed): "
+                + ", ".join(
+                    f"{worker} {s['factor']:g}x slower alone "
+                    f"(sleeps {s['sleep_seconds_per_example'] * 1e3:.3f} ms per example)"
+                    for worker, s in slowed.items()
+                )
+            )
+        if not measure or config.powers != AUTO:
+            return info, None
+        auto = trainer.measure_powers(probe)
+        rates = ", ".join(
+            f"{w} {r:.0f}" for w, r in zip(auto["devices"], auto["images_per_second"])
+        )
+        log(f"auto powers: measured images/sec {rates}; powers {auto['powers']}")
+        info["auto_powers"] = auto
+        return info, None
+
+
+def training_data(config, data) -> Agreed:
+    """The training data, for `agree`, named by the setting that chose it."""
+    import tensorflow as tf
+
+    field, value = "dataset", config.dataset
+    if config.dataset == "mnist" and (config.mnist_dir or config.data_dir):
+        field = "mnist_dir" if config.mnist_dir else "data_dir"
+        value = getattr(config, field)
+    leaves = [data.images, data.labels] if isinstance(data, data_lib.Arrays) else data
+    return Agreed(
+        field,
+        value,
+        f"{data_lib.size(data)} examples, digest {arrays_digest(tf.nest.flatten(leaves))}",
+        differs="the training data differs between workers",
+        needs="every worker must read the same data",
+    )
