@@ -74,5 +74,6 @@ def main() -> None:
     )
     print(f"test accuracy {history.history['val_accuracy'][-1]:.4f}; trained {model.name}")
 
+
 if __name__ == "__main__":
     main()
