@@ -136,9 +136,10 @@ def join_cluster(config=None, **settings):
         config = Config(mode="multiworker", **settings)
     wanted = (config.collective, config.collective_timeout)
     if _strategy is not None and wanted != _joined_with:
+        field = "collective" if wanted[0] != _joined_with[0] else "collective_timeout"
         raise ConfigError(
-            "collective",
-            config.collective if wanted[0] != _joined_with[0] else config.collective_timeout,
+            field,
+            getattr(config, field),
             f"differs from the cluster this process joined with collective={_joined_with[0]}, "
             f"collective_timeout={_joined_with[1]}",
         )
