@@ -9,6 +9,9 @@ share are in helpers.py; the fixtures are here.
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# A test's cluster is the one it sets up, not the Slurm allocation the suite may run in.
+for name in [name for name in os.environ if name.startswith("SLURM")]:
+    del os.environ[name]
 
 import pytest
 from helpers import NUM_LOGICAL_CPUS, random_images

@@ -179,8 +179,12 @@ def tmpfs(directory, options):
 
 def environment(**extra):
     """The environment of a command the tests start: no MNIST directory and no cluster
-    unless given, and TensorFlow's C++ log at warnings."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TFDP_MNIST_DIR", "TF_CONFIG")}
+    (TF_CONFIG, a Slurm step's variables) unless given, and TensorFlow's C++ log at warnings."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TFDP_MNIST_DIR", "TF_CONFIG") and not k.startswith("SLURM")
+    }
     return dict(env, TF_CPP_MIN_LOG_LEVEL="2", **extra)
 
 

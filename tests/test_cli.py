@@ -263,6 +263,11 @@ finally:
         (["--mode=weighted", "--powers=1,0"], "tfdp: error: --powers=1,0: every power", True),
         (["--model=toy", "extra"], "tfdp: error: unexpected arguments extra: flags take", True),
         (["--model=toy", "--result_json=/no/dir/r.json"], "tfdp: error: --result_json=", True),
+        (
+            ["--mode=multiworker", "--model=toy", "--cluster=slurm"],
+            "tfdp: error: --cluster=slurm: found no Slurm step here",
+            True,
+        ),
         # found once TensorFlow lists the devices
         (["--model=toy", "--devices=gpu:0"], "tfdp: error: --devices=gpu:0: GPU:0 does not", False),
     ],

@@ -72,6 +72,10 @@ def commands_of(segment):
         if token in SEPARATORS:
             while current and re.match(r"^[A-Za-z_]\w*=", current[0]):
                 current.pop(0)
+            if current and current[0] == "srun":  # srun [its options] COMMAND
+                current.pop(0)
+                while current and current[0].startswith("-"):
+                    current.pop(0)
             if current and program(current):
                 found.append(current)
             current = []

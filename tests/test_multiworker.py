@@ -313,14 +313,14 @@ def test_bad_tf_config_fails_early(tf_config, reason, tmp_path, monkeypatch):
     else:
         monkeypatch.setenv("TF_CONFIG", tf_config)
     monkeypatch.chdir(tmp_path)
-    error, line = refusal("--mode=multiworker", "--model=toy")
+    error, line = refusal("--mode=multiworker", "--model=toy", "--cluster=tf_config")
     assert (error.field, error.value) == ("TF_CONFIG", tf_config or "")
     assert line.startswith(f"tfdp: error: TF_CONFIG={tf_config or ''}: ")
     assert reason in line
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_missing_tf_config_is_one_line_and_exit_2_before_tensorflow(tmp_path):
+def test_no_cluster_is_one_line_and_exit_2_before_tensorflow(tmp_path):
     process = subprocess.run(
         [sys.executable, "-m", "tfdp", "--mode=multiworker", "--model=toy"],
         capture_output=True,
@@ -331,7 +331,10 @@ def test_a_missing_tf_config_is_one_line_and_exit_2_before_tensorflow(tmp_path):
     )
     assert process.returncode == 2
     [line] = own_stderr_lines(process)
-    assert line.startswith("tfdp: error: TF_CONFIG=: is not set; mode multiworker reads")
+    assert line.startswith(
+        "tfdp: error: --cluster=auto: found neither TF_CONFIG nor a Slurm step (SLURM_PROCID is "
+        'not set); mode multiworker needs one: TF_CONFIG=\'{"cluster": '
+    )
     assert process.stdout == "" and list(tmp_path.iterdir()) == []
 
 

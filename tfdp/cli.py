@@ -169,9 +169,9 @@ def checked_config(argv: list[str]) -> Config:
     if FLAGS.intra_op_threads is not None:
         check_intra_op_threads(FLAGS.intra_op_threads)
     if config.mode == "multiworker":
-        from tfdp.cluster import read_cluster
+        from tfdp.cluster import find_cluster
 
-        read_cluster()  # a missing or malformed TF_CONFIG fails here, before TensorFlow starts
+        find_cluster(config)  # a missing or malformed cluster fails here, before TensorFlow starts
         if FLAGS.logical_cpus:
             raise ConfigError(
                 "logical_cpus",
@@ -262,7 +262,7 @@ HELP_GROUPS = (
         "model_dir checkpoint_every keep_checkpoints eval_every result_json log_every progress",
     ),
     ("unequal devices", "rebalance_every reduce simulate_slowdown"),
-    ("multiworker", "collective collective_timeout"),
+    ("multiworker", "cluster slurm_port_base collective collective_timeout"),
     (
         "tuning",
         "chains intra_op_threads all_reduce mirrored_input jit_compile precision "

@@ -1,4 +1,9 @@
-"""The cluster of a multi-worker run: TF_CONFIG, joining it, and telling a lost peer apart.
+"""The cluster of a multi-worker run: where it comes from, joining it, telling a lost peer apart.
+
+The cluster comes from TF_CONFIG (as tfdp-launch and Kubernetes' TFJob set it for
+each worker) or from the variables srun sets for each task of a Slurm step
+(`slurm_cluster`: one worker per task); `find_cluster` picks the source and
+writes a Slurm cluster to TF_CONFIG, so every later step reads one form.
 
 Every worker runs `tf.distribute.MultiWorkerMirroredStrategy` (trainers/multiworker.py).
 Only the chief (task `chief`, else `worker:0`) writes the model directory.
@@ -46,6 +51,7 @@ class Cluster:
     workers: tuple[str, ...]
     addresses: tuple[str, ...]
     task: str
+    source: str = "tf_config"  # or "slurm"
 
     @property
     def index(self) -> int:
@@ -55,6 +61,14 @@ class Cluster:
     @property
     def is_chief(self) -> bool:
         return self.index == 0
+
+    def tf_config(self) -> str:
+        """This worker's TF_CONFIG: the cluster, and its own place in it."""
+        jobs: dict[str, list[str]] = {}
+        for worker, address in zip(self.workers, self.addresses):
+            jobs.setdefault(worker.split(":")[0], []).append(address)
+        kind, index = self.task.split(":")
+        return json.dumps({"cluster": jobs, "task": {"type": kind, "index": int(index)}})
 
 
 def _is_address(address) -> bool:
@@ -117,6 +131,201 @@ def read_cluster(text: str | None = None) -> Cluster:
     return Cluster(tuple(workers), tuple(addresses), f"{kind}:{index}")
 
 
+# What srun sets for every task of a step: its rank, and the step's tasks and nodes.
+SLURM_STEP = (
+    "SLURM_PROCID",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_NODELIST",
+    "SLURM_STEP_TASKS_PER_NODE",
+)
+SLURM_EXAMPLE = "srun --ntasks-per-node=1 tfdp --mode=multiworker ..."
+
+
+def in_slurm_step(environ=None) -> bool:
+    """Whether this process is a task that srun started (its rank is set)."""
+    return "SLURM_PROCID" in (os.environ if environ is None else environ)
+
+
+def find_cluster(config, environ=None) -> Cluster:
+    """This worker's cluster, from `config.cluster`'s source; raises ConfigError.
+
+    A Slurm step's cluster is written to TF_CONFIG (and each task's GPUs to
+    CUDA_VISIBLE_DEVICES where its node's tasks share them), before TensorFlow
+    starts: MultiWorkerMirroredStrategy and every later step read it there.
+    """
+    environ = os.environ if environ is None else environ
+    source = config.cluster
+    if source == "auto":
+        if environ.get(TF_CONFIG, "").strip():
+            source = "tf_config"
+        elif in_slurm_step(environ):
+            source = "slurm"
+        else:
+            raise ConfigError(
+                "cluster",
+                "auto",
+                "found neither TF_CONFIG nor a Slurm step (SLURM_PROCID is not set); mode "
+                f"multiworker needs one: TF_CONFIG='{TF_CONFIG_EXAMPLE}', or {SLURM_EXAMPLE}",
+            )
+    if source == "tf_config":
+        return read_cluster(environ.get(TF_CONFIG, ""))
+    cluster = slurm_cluster(config.slurm_port_base, environ)
+    if _strategy is None:  # a joined cluster holds its own port
+        check_port_free(cluster, config.slurm_port_base)
+    gpus = slurm_gpus(environ, cluster)
+    if gpus is not None:
+        environ["CUDA_VISIBLE_DEVICES"] = gpus
+    environ[TF_CONFIG] = cluster.tf_config()
+    return cluster
+
+
+def _slurm_int(environ, name: str, low: int = 0) -> int:
+    text = environ[name]
+    if not text.isdigit() or int(text) < low:
+        raise ConfigError(name, text, f"must be an integer of at least {low}, as srun sets it")
+    return int(text)
+
+
+def slurm_cluster(port_base: int, environ=None) -> Cluster:
+    """The cluster of this Slurm step: one worker per task, task r on the node Slurm put
+    it on, ports counted from `port_base` on each node; raises ConfigError.
+
+    Host lists and task counts are expanded by TensorFlow's SlurmClusterResolver's
+    own functions. Tasks are placed in the node list's order, as Slurm's default
+    (block) distribution places them; SlurmClusterResolver sorts the host names,
+    which puts node10 before node2, and so gives a rank another node's address.
+    """
+    environ = os.environ if environ is None else environ
+    missing = [name for name in SLURM_STEP if name not in environ]
+    if missing == list(SLURM_STEP):
+        raise ConfigError(
+            "cluster",
+            "slurm",
+            "found no Slurm step here (SLURM_PROCID is not set); start every worker with "
+            f"srun, e.g. {SLURM_EXAMPLE}",
+        )
+    if missing:
+        where = (
+            "a batch script's own shell is not a step: start tfdp with srun"
+            if "SLURM_JOB_ID" in environ and "SLURM_STEP_ID" not in environ
+            else "srun sets them for every task of a step"
+        )
+        raise ConfigError(
+            "cluster",
+            "slurm",
+            f"Slurm's variables are incomplete: {', '.join(missing)} unset; {where}",
+        )
+    from tensorflow.python.distribute.cluster_resolver.slurm_cluster_resolver import (
+        expand_hostlist,
+        expand_tasks_per_node,
+    )
+
+    rank = _slurm_int(environ, "SLURM_PROCID")
+    tasks = _slurm_int(environ, "SLURM_STEP_NUM_TASKS", low=1)
+    nodelist, per_node_text = environ["SLURM_STEP_NODELIST"], environ["SLURM_STEP_TASKS_PER_NODE"]
+    try:
+        hosts = expand_hostlist(nodelist)
+    except ValueError as error:
+        raise ConfigError(
+            "SLURM_STEP_NODELIST", nodelist, f"cannot be expanded ({error})"
+        ) from None
+    if not hosts or not all(hosts) or len(set(hosts)) < len(hosts):
+        raise ConfigError(
+            "SLURM_STEP_NODELIST", nodelist, f"expands to {hosts}, not distinct host names"
+        )
+    try:
+        per_node = expand_tasks_per_node(per_node_text)
+    except ValueError as error:
+        raise ConfigError(
+            "SLURM_STEP_TASKS_PER_NODE", per_node_text, f"cannot be expanded ({error})"
+        ) from None
+    if len(per_node) != len(hosts) or 0 in per_node:
+        raise ConfigError(
+            "SLURM_STEP_TASKS_PER_NODE",
+            per_node_text,
+            f"gives {len(per_node)} task counts {per_node} for the {len(hosts)} node(s) of "
+            f"SLURM_STEP_NODELIST={nodelist}",
+        )
+    if sum(per_node) != tasks:
+        raise ConfigError(
+            "SLURM_STEP_NUM_TASKS",
+            environ["SLURM_STEP_NUM_TASKS"],
+            f"disagrees with SLURM_STEP_TASKS_PER_NODE={per_node_text} ({sum(per_node)} tasks)",
+        )
+    if rank >= tasks:
+        raise ConfigError(
+            "SLURM_PROCID", str(rank), f"is not a task of the step's {tasks} (0 to {tasks - 1})"
+        )
+    if port_base + max(per_node) - 1 > 65535:
+        raise ConfigError(
+            "slurm_port_base",
+            port_base,
+            f"leaves no port for task {max(per_node) - 1} of a node (ports end at 65535)",
+        )
+    placed = [(host, local) for host, count in zip(hosts, per_node) for local in range(count)]
+    host, local = placed[rank]
+    for name, expected in (("SLURMD_NODENAME", host), ("SLURM_LOCALID", str(local))):
+        if name in environ and environ[name] != expected:
+            raise ConfigError(
+                name,
+                environ[name],
+                f"disagrees with the step's layout, which puts task {rank} on {host} as its "
+                f"task {local} (SLURM_STEP_NODELIST={nodelist}, SLURM_STEP_TASKS_PER_NODE="
+                f"{per_node_text}); tfdp needs srun's default block distribution",
+            )
+    workers = tuple(f"worker:{i}" for i in range(tasks))
+    addresses = tuple(f"{h}:{port_base + i}" for h, i in placed)
+    return Cluster(workers, addresses, f"worker:{rank}", source="slurm")
+
+
+def slurm_gpus(environ, cluster: Cluster) -> str | None:
+    """This task's CUDA_VISIBLE_DEVICES where the tasks of its node share the node's GPUs,
+    else None (keep what Slurm set: a task's own GPUs, or none).
+
+    Slurm gives each task its own GPUs with --gpus-per-task or --gpu-bind; with only
+    --gres=gpu:N every task of a node sees all N, and task l of the node's k takes
+    the l-th N/k of them, as SlurmClusterResolver's auto_set_gpu splits them.
+    """
+    visible = [g.strip() for g in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    host = cluster.addresses[cluster.index].rpartition(":")[0]
+    node = [i for i, a in enumerate(cluster.addresses) if a.rpartition(":")[0] == host]
+    own = "SLURM_GPUS_PER_TASK" in environ or "SLURM_GPU_BIND" in environ
+    if not visible or len(node) == 1 or own:
+        return None
+    if len(visible) < len(node):
+        raise ConfigError(
+            "CUDA_VISIBLE_DEVICES",
+            ",".join(visible),
+            f"gives {len(visible)} GPU(s) to the {len(node)} tasks of {host}: give each task "
+            "its own (srun --gpus-per-task=1) or start fewer tasks per node",
+        )
+    share, local = len(visible) // len(node), node.index(cluster.index)
+    return ",".join(visible[local * share : (local + 1) * share])
+
+
+def check_port_free(cluster: Cluster, port_base: int) -> None:
+    """This task's port is free on this host; else a ConfigError naming --slurm_port_base."""
+    import errno
+    import socket
+
+    address = cluster.addresses[cluster.index]
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("", int(address.rpartition(":")[2])))
+    except OSError as error:
+        if error.errno != errno.EADDRINUSE:
+            raise
+        raise ConfigError(
+            "slurm_port_base",
+            port_base,
+            f"gives {cluster.task} the port of {address}, which another process uses; "
+            "give a base whose ports are free on every node",
+        ) from None
+    finally:
+        probe.close()
+
+
 _strategy = None
 _joined_with = None  # the (collective, collective_timeout) the strategy was made with
 
@@ -128,22 +337,24 @@ def join_cluster(config=None, **settings):
     server and waits until every worker of TF_CONFIG has started. A script
     that builds its model before `tfdp.fit(..., mode="multiworker")` calls
     `tfdp.join_cluster()` first, as a Keras script makes its
-    MultiWorkerMirroredStrategy first (settings: `collective`,
-    `collective_timeout`, as in `tfdp.Config`).
+    MultiWorkerMirroredStrategy first (settings: `cluster`, `slurm_port_base`,
+    `collective`, `collective_timeout`, as in `tfdp.Config`).
     """
     global _strategy, _joined_with
     if config is None:
         config = Config(mode="multiworker", **settings)
-    wanted = (config.collective, config.collective_timeout)
+    joined = ("cluster", "slurm_port_base", "collective", "collective_timeout")
+    wanted = {field: getattr(config, field) for field in joined}
     if _strategy is not None and wanted != _joined_with:
-        field = "collective" if wanted[0] != _joined_with[0] else "collective_timeout"
+        field = next(f for f in joined if wanted[f] != _joined_with[f])
+        held = ", ".join(f"{f}={v}" for f, v in _joined_with.items())
         raise ConfigError(
             field,
             getattr(config, field),
-            f"differs from the cluster this process joined with collective={_joined_with[0]}, "
-            f"collective_timeout={_joined_with[1]}",
+            f"differs from the cluster this process joined with {held}",
         )
     if _strategy is None:
+        cluster = find_cluster(config)
         import tensorflow as tf
 
         implementation = getattr(
@@ -166,11 +377,15 @@ def join_cluster(config=None, **settings):
         except tf.errors.UnknownError as error:
             if "Could not start gRPC server" not in str(error):
                 raise
-            cluster = read_cluster()
             address = cluster.addresses[cluster.index]
+            field, value = (
+                ("slurm_port_base", config.slurm_port_base)
+                if cluster.source == "slurm"
+                else (TF_CONFIG, address)
+            )
             raise ConfigError(
-                TF_CONFIG,
-                address,
+                field,
+                value,
                 f"Could not start gRPC server on {address} for {cluster.task}: "
                 "the port is in use by another process; give a free port",
             ) from None

@@ -16,6 +16,8 @@ ALL_REDUCES = ("auto", "reduce_to_one", "nccl")
 MIRRORED_INPUTS = ("split", "dataset")
 REDUCES = ("device0", "allreduce")
 COLLECTIVES = ("auto", "ring", "nccl")
+CLUSTERS = ("auto", "tf_config", "slurm")  # where mode multiworker finds its cluster
+SLURM_PORT_BASE = 8888  # TensorFlow's SlurmClusterResolver's default
 # Keras dtype policies: the compute dtype of the layers; the variables stay float32.
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 # Each model reads one kind of input.
@@ -175,6 +177,18 @@ class Config:
         "stops with an error (0: no limit). Dead or frozen workers are caught without it, by "
         "TensorFlow's heartbeats; each all-reduce then holds a thread for this long.",
     )
+    cluster: str = setting(
+        "auto",
+        "multiworker: where the cluster comes from. tf_config: the TF_CONFIG variable (as "
+        "tfdp-launch and Kubernetes' TFJob set it); slurm: the variables srun sets for each "
+        "task of a Slurm step, one worker per task; auto: TF_CONFIG if it is set, else Slurm's.",
+        choices=CLUSTERS,
+    )
+    slurm_port_base: int = setting(
+        SLURM_PORT_BASE,
+        "multiworker on Slurm: the port of the first task on each node; the node's other "
+        "tasks take the next ones, as TensorFlow's SlurmClusterResolver counts them.",
+    )
     jit_compile: bool = setting(
         False,
         "Compile each device's forward and backward pass with XLA, in every mode. The host "
@@ -299,6 +313,18 @@ def validate(config: Config) -> None:
             raise ConfigError(
                 "powers", config.powers, f"every power must be a positive finite number, got {p!r}"
             )
+    _choice(config, "cluster", CLUSTERS)
+    base = config.slurm_port_base
+    if isinstance(base, bool) or not isinstance(base, int) or not 1 <= base <= 65535:
+        raise ConfigError("slurm_port_base", base, "must be a port number, 1 to 65535")
+    if config.mode != "multiworker":
+        for field, default in (("cluster", "auto"), ("slurm_port_base", SLURM_PORT_BASE)):
+            if getattr(config, field) != default:
+                raise ConfigError(
+                    field,
+                    getattr(config, field),
+                    f"applies to mode multiworker only, not {config.mode}",
+                )
     timeout = config.collective_timeout
     if (
         isinstance(timeout, bool)

@@ -169,8 +169,8 @@ def check_balancing(config: Config, devices: list[str]) -> None:
 
 
 def multiworker_devices(config: Config) -> list[str]:
-    """The workers of TF_CONFIG stand for the devices: one batch share each."""
-    from tfdp.cluster import read_cluster
+    """The workers of the cluster stand for the devices: one batch share each."""
+    from tfdp.cluster import find_cluster
 
     if config.devices:
         raise ConfigError(
@@ -178,7 +178,7 @@ def multiworker_devices(config: Config) -> list[str]:
             config.devices,
             "mode multiworker uses each worker's own devices (its GPUs, else one CPU replica)",
         )
-    return list(read_cluster().workers)
+    return list(find_cluster(config).workers)
 
 
 def load_split(config: Config, split: str):

@@ -38,8 +38,8 @@ from tfdp.checkpoints import Checkpointer
 from tfdp.cluster import (
     Agreed,
     arrays_digest,
+    find_cluster,
     join_cluster,
-    read_cluster,
     settings_to_agree,
 )
 from tfdp.devices import AUTO, split_batch
@@ -60,7 +60,7 @@ class MultiWorkerTrainer(Trainer):
         """
         Args:
           strategy: from `join_cluster`.
-          cluster: from `read_cluster`.
+          cluster: from `find_cluster`.
           spec: the model (`models.ModelSpec`); its factory is called in the
             strategy's scope; its weights must be the same on every worker.
           shards: examples per worker; they sum to the global batch.
@@ -330,7 +330,7 @@ class WorkerCheckpointer(Checkpointer):
 
 def build(config, shards, spec) -> MultiWorkerTrainer:
     """The trainer of `trainers.build_trainer` for mode multiworker."""
-    return MultiWorkerTrainer(join_cluster(config), read_cluster(), spec, shards, config)
+    return MultiWorkerTrainer(join_cluster(config), find_cluster(config), spec, shards, config)
 
 
 def initial_weights(config, weights) -> Agreed:
