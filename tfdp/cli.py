@@ -40,7 +40,7 @@ from tfdp.devices import (  # noqa: E402
     reserve_sleeping_threads,
     set_intra_op_threads,
 )
-from tfdp.errors import ConfigError  # noqa: E402
+from tfdp.errors import ConfigError, DataError  # noqa: E402
 from tfdp.signals import Stopped  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -217,7 +217,7 @@ def main(argv: list[str]) -> None:
         result = training.run(plan)
     except ConfigError as error:  # a checkpoint that does not fit, found when restoring
         _fail(error_line(error))
-    except training.NonFinite as error:
+    except (training.NonFinite, DataError) as error:
         _fail(str(error), status=1)
     except Stopped as error:  # SIGTERM or Ctrl-C, after saving the step
         print(f"tfdp: {error}", file=sys.stderr)

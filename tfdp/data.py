@@ -217,10 +217,20 @@ def make_toy_data(
     return Arrays(images=features.astype(np.float32), labels=labels.astype(np.int32))
 
 
-def size(data) -> int:
-    """The examples in `data`: an Arrays, or a nested structure of arrays (checked)."""
+def is_stream(data) -> bool:
+    """Whether `data` is a pipeline read while training (`streams.Stream`), not arrays."""
+    from tfdp.streams import Stream
+
+    return isinstance(data, Stream)
+
+
+def size(data) -> int | None:
+    """The examples in `data`: an Arrays, or a nested structure of arrays (checked), or a
+    stream's examples per pass (None: unknown without reading it)."""
     if isinstance(data, Arrays):
         return len(data)
+    if is_stream(data):
+        return data.examples
     return len(tf.nest.flatten(data)[0])
 
 
@@ -277,6 +287,8 @@ def _as_they_are(*batch):
 
 def first_examples(data, count):
     """The first `count` examples as a model batch, on the host (for timing probes)."""
+    if is_stream(data):
+        return data.first_examples(count)
     with tf.device("/cpu:0"):
         tensors = _to_tensors(take(data, 0, count))
         return _model_inputs(data)(*tensors) if isinstance(tensors, tuple) else tensors

@@ -15,3 +15,9 @@ class ConfigError(ValueError):
         self.value = value
         self.reason = reason
         super().__init__(f"{field}={value!r}: {reason}")
+
+
+class DataError(RuntimeError):
+    """The training data failed while training (a generator that raised, a corrupt file,
+    a stream that ended early): one line naming the data and the step; the last
+    checkpoint stands."""

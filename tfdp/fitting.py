@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 
+from tfdp import streams
 from tfdp.config import Config
 from tfdp.errors import ConfigError
 
@@ -91,6 +92,17 @@ def fit(
     train, validation = fit_data(
         x, y, sample_weight, class_weight, validation_split, validation_data
     )
+    if streams.is_stream_input(train):  # read as a pipeline, batch by batch
+        chosen = config or settings
+        get = (lambda name, default: getattr(chosen, name)) if config else chosen.get
+        train = streams.from_input(
+            train,
+            batch_size if config is None else config.batch_size,
+            drop_remainder=get("drop_remainder", False),
+            shuffle=shuffle if config is None else config.shuffle,
+            seed=get("seed", 0),
+        )
+        batch_size = train.batch_size
     if config is None:
         name = model_name(model)
         keras_settings = {
@@ -167,7 +179,7 @@ def fit_data(x, y, sample_weight, class_weight, validation_split, validation_dat
 
     from tfdp import sources
 
-    if isinstance(x, tf.data.Dataset):
+    if streams.is_stream_input(x):
         if y is not None or sample_weight is not None:
             raise ConfigError(
                 "y",
@@ -178,7 +190,19 @@ def fit_data(x, y, sample_weight, class_weight, validation_split, validation_dat
             raise ConfigError(
                 "validation_split", validation_split, "needs arrays; give validation_data instead"
             )
-        train = sources.as_arrays(x, "x")
+        if class_weight is not None:
+            if not isinstance(x, tf.data.Dataset):
+                raise ConfigError(
+                    "class_weight",
+                    class_weight,
+                    f"needs arrays or a tf.data.Dataset, not {type(x).__name__}",
+                )
+            from keras.src.trainers.data_adapters.tf_dataset_adapter import (
+                make_class_weight_map_fn,
+            )
+
+            x = x.map(make_class_weight_map_fn(class_weight))  # as Keras weighs a dataset
+        return x, sources.as_arrays(validation_data, "validation_data")
     else:
         if x is None:
             raise ConfigError("x", None, "has no training data")

@@ -112,6 +112,10 @@ def _read_dataset(dataset, field, value, where):
             f"{where + ': ' if where else ''}is infinite; give a finite, unbatched dataset "
             "(tfdp batches, shuffles and repeats it)",
         )
+    from tfdp.streams import dataset_batching
+
+    if dataset_batching(dataset)[0]:  # Keras' form: batches, read here as examples
+        dataset = dataset.unbatch()
     elements = list(dataset.as_numpy_iterator())
     if not elements:
         raise ConfigError(field, value or "tf.data.Dataset", "has no examples")

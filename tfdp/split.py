@@ -137,11 +137,16 @@ def training_data(config, data) -> Agreed:
     if config.dataset == "mnist" and (config.mnist_dir or config.data_dir):
         field = "mnist_dir" if config.mnist_dir else "data_dir"
         value = getattr(config, field)
-    leaves = [data.images, data.labels] if isinstance(data, data_lib.Arrays) else data
+    if data_lib.is_stream(data):  # a pipeline: its source and first batch
+        text = f"a {data.source} of batches of {data.batch_size}, a sample's digest "
+        leaves = data.sample
+    else:
+        leaves = [data.images, data.labels] if isinstance(data, data_lib.Arrays) else data
+        text = f"{data_lib.size(data)} examples, digest "
     return Agreed(
         field,
         value,
-        f"{data_lib.size(data)} examples, digest {arrays_digest(tf.nest.flatten(leaves))}",
+        text + arrays_digest(tf.nest.flatten(leaves)),
         differs="the training data differs between workers",
         needs="every worker must read the same data",
     )

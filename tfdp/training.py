@@ -13,6 +13,8 @@ import json
 import os
 from typing import Callable
 
+import tensorflow as tf
+
 from tfdp import data as data_lib
 from tfdp import onednn, sources
 from tfdp.checkpoints import check_model_dir, export_model, write_atomically
@@ -25,7 +27,7 @@ from tfdp.devices import (
     short_name,
     split_batch,
 )
-from tfdp.errors import ConfigError
+from tfdp.errors import ConfigError, DataError
 from tfdp.hooks.balancing import Rebalance
 from tfdp.hooks.checkpointing import Checkpoints
 from tfdp.hooks.evaluation import Evaluation, evaluate  # noqa: F401 (tfdp.training.evaluate)
@@ -65,7 +67,7 @@ class Plan:
     devices: list[str]
     shards: list[int]
     spec: ModelSpec
-    train_data: object  # data_lib.Arrays, or a nested structure of arrays
+    train_data: object  # data_lib.Arrays, a nested structure of arrays, or a streams.Stream
     test_data: object  # the same, or None: no evaluation
     batches_per_pass: int
     total_steps: int
@@ -78,8 +80,31 @@ class Plan:
         return self.initial_epoch + -(-self.total_steps // self.steps_per_epoch)
 
     @property
-    def examples(self) -> int:
+    def examples(self) -> int | None:
+        """Examples of a pass (None: a stream whose length is not known)."""
         return data_lib.size(self.train_data)
+
+    @property
+    def last_batch(self) -> int:
+        """Examples of a pass's last batch."""
+        if data_lib.is_stream(self.train_data):
+            return self.train_data.last_batch
+        batch, per_pass = self.config.batch_size, self.batches_per_pass
+        return min(self.examples - (per_pass - 1) * batch, batch)
+
+    def training_batches(self, start_step: int):
+        """The global batches of steps start_step, start_step + 1, ..."""
+        data, config = self.train_data, self.config
+        if data_lib.is_stream(data):
+            return data.training_batches(start_step)
+        return data_lib.train_dataset(
+            data,
+            config.batch_size,
+            config.seed,
+            start_step,
+            config.drop_remainder,
+            config.shuffle,
+        )
 
     def without_test_data(self) -> Plan:
         return dataclasses.replace(self, test_data=None)
@@ -95,16 +120,14 @@ class Plan:
 
     def partial(self, step: int) -> bool:
         """Whether step `step` reads a pass's last batch, with fewer examples."""
-        last = self.examples - (self.batches_per_pass - 1) * self.config.batch_size
         return step % self.batches_per_pass == self.batches_per_pass - 1 and (
-            last < self.config.batch_size
+            self.last_batch < self.config.batch_size
         )
 
     def examples_in(self, first: int, end: int) -> int:
         """Examples in steps first..end-1: a step is a pass's last when the next is a
         multiple of the batches per pass."""
-        batch, per_pass = self.config.batch_size, self.batches_per_pass
-        last = min(self.examples - (per_pass - 1) * batch, batch)
+        batch, per_pass, last = self.config.batch_size, self.batches_per_pass, self.last_batch
         return (end - first) * batch - (end // per_pass - first // per_pass) * (batch - last)
 
 
@@ -268,11 +291,12 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
         train_data, test_data = load_data(config)
         field = "dataset"
     else:
-        train_data = sources.as_arrays(train_data, "x")
+        if not data_lib.is_stream(train_data):
+            train_data = sources.as_arrays(train_data, "x")
         test_data = sources.as_arrays(validation_data, "validation_data")
         field = "x"
     examples = data_lib.size(train_data)
-    if config.batch_size > examples:
+    if examples is not None and config.batch_size > examples:
         raise ConfigError(
             "batch_size",
             config.batch_size,
@@ -289,7 +313,18 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
     if test_data is not None:
         samples[test_field] = data_lib.first_examples(test_data, 2)
     spec = model_spec_for(config, samples, model)
-    per_pass = data_lib.steps_per_epoch(examples, config.batch_size, config.drop_remainder)
+    if data_lib.is_stream(train_data):
+        per_pass = train_data.batches or config.steps_per_epoch or config.iterations
+        if per_pass is None:
+            raise ConfigError(
+                field,
+                train_data.source,
+                "is infinite or of unknown length: give steps_per_epoch, as Keras fit needs "
+                "(or, for a tf.data pipeline of known length, "
+                "dataset.apply(tf.data.experimental.assert_cardinality(n)))",
+            )
+    else:
+        per_pass = data_lib.steps_per_epoch(examples, config.batch_size, config.drop_remainder)
     per_epoch = config.steps_per_epoch or per_pass
     if config.iterations is not None:
         total_steps = config.iterations
@@ -375,6 +410,29 @@ def saved_result(plan: Plan, start_step: int) -> dict | None:
         return None
 
 
+def reading_input(error) -> bool:
+    """Whether a step's error came from reading its batch (tf.data's IteratorGetNext)."""
+    return "IteratorGetNext" in getattr(error, "message", str(error)) or isinstance(
+        error, tf.errors.OutOfRangeError
+    )
+
+
+def input_failure(plan: Plan, run, error, checkpointer) -> str:
+    """One line for a stream that failed at a step: what, where, and what stands."""
+    data = plan.train_data
+    first = (getattr(error, "message", str(error)).strip().splitlines() or [""])[0]
+    if isinstance(error, tf.errors.OutOfRangeError):
+        what = "ran out of batches"
+    else:
+        what = f"failed ({type(error).__name__}: {first})"
+    step = run.step
+    text = f"the training data ({data.source}) {what} at step {step}"
+    latest = tf.train.latest_checkpoint(checkpointer.directory) if checkpointer else None
+    if latest:
+        return f"{text}; {latest} stands: run again to resume from it"
+    return f"{text}; no checkpoint was saved"
+
+
 class FitResult(dict):
     """The result dict (the content of result.json), `model`: the trained model, and
     `history`: Keras' History of a run with Keras callbacks."""
@@ -429,16 +487,7 @@ def run(
         state = Run(plan, trainer, None, log, start_step, start_step, progress=progress)
         split = trainer.Split(trainer)
         split_info, probe = set_up_split(state, split, checkpointer)
-        state.iterator = trainer.distribute(  # after the split is set
-            data_lib.train_dataset(
-                plan.train_data,
-                config.batch_size,
-                config.seed,
-                start_step,
-                config.drop_remainder,
-                config.shuffle,
-            )
-        )
+        state.iterator = trainer.distribute(plan.training_batches(start_step))  # split set
         summaries = Summaries(config.model_dir) if config.model_dir and trainer.is_chief else None
         guard = FiniteGuard(checkpointer)
         checkpoints = Checkpoints(checkpointer, guard) if checkpointer else None
@@ -464,7 +513,12 @@ def run(
                 StopOnSignal(signals, checkpoints),
             ]
         )
-        train_loop(state, hooks)
+        try:
+            train_loop(state, hooks)
+        except tf.errors.OpError as error:
+            if not data_lib.is_stream(plan.train_data) or not reading_input(error):
+                raise
+            raise DataError(input_failure(plan, state, error, checkpointer)) from None
         result = result_of(state, split_info)
         if config.model_dir and trainer.is_chief:
             write_run_files(config.model_dir, trainer.model, result)

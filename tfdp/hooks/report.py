@@ -33,7 +33,8 @@ def banner(plan, trainer, start_step: int, shards: list[int]) -> str:
     epochs = plan.total_steps / plan.batches_per_pass
     text = (
         f"global batch {config.batch_size} = {split} over {n} {trainer.unit}, mode {config.mode}; "
-        f"{plan.batches_per_pass} steps per epoch of {plan.examples} examples; "
+        f"{plan.batches_per_pass} steps per epoch of "
+        f"{'a stream' if plan.examples is None else f'{plan.examples} examples'}; "
         f"{plan.total_steps} iterations ({epochs:.2f} epochs) at learning rate "
         f"{learning_rate(trainer.optimizer):g}"
     )

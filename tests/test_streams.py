@@ -1,0 +1,267 @@
+"""Streamed training data through `tfdp.fit` against `keras.Model.fit` on one device: a
+TFRecord pipeline written here (files, parse, seeded shuffle, stateless random
+augmentation, batch), an unbatched and an infinite dataset, a PyDataset and a generator;
+each mode's History and final weights; and the bad inputs."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp
+from tfdp.errors import ConfigError, DataError
+
+EXAMPLES, FEATURES, CLASSES, BATCH = 200, 8, 3, 32
+
+
+def examples():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(EXAMPLES, FEATURES)).astype(np.float32)
+    y = ((x[:, 0] > 0).astype(np.int64) + (rng.random(EXAMPLES) < 0.3)) % CLASSES
+    return x, y
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    """The examples in 4 TFRecord files of tf.train.Example protos."""
+    directory = tmp_path_factory.mktemp("records")
+    x, y = examples()
+    paths = []
+    for shard in range(4):
+        path = str(directory / f"train-{shard}.tfrecord")
+        with tf.io.TFRecordWriter(path) as writer:
+            for i in range(shard, EXAMPLES, 4):
+                features = {
+                    "x": tf.train.Feature(float_list=tf.train.FloatList(value=x[i])),
+                    "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[y[i]])),
+                }
+                example = tf.train.Example(features=tf.train.Features(feature=features))
+                writer.write(example.SerializeToString())
+        paths.append(path)
+    return paths
+
+
+def parse(record):
+    parsed = tf.io.parse_single_example(
+        record,
+        {
+            "x": tf.io.FixedLenFeature([FEATURES], tf.float32),
+            "y": tf.io.FixedLenFeature([], tf.int64),
+        },
+    )
+    return parsed["x"], parsed["y"]
+
+
+def augment(seed, example):
+    """Stateless noise, its seed drawn from a seeded random stream: new noise every pass."""
+    x, y = example
+    noise = tf.random.stateless_normal([FEATURES], seed=tf.stack([seed, 0]), stddev=0.1)
+    return x + noise, y
+
+
+def pipeline(paths, batched=True):
+    """Files read as consumed, parsed, shuffled with a seed, augmented, batched: a pass of
+    200 examples (TFRecord files do not say how many they hold: the pipeline does)."""
+    noise_seeds = tf.data.Dataset.random(seed=5, rerandomize_each_iteration=True)
+    dataset = (
+        tf.data.TFRecordDataset(paths)
+        .map(parse)
+        .apply(tf.data.experimental.assert_cardinality(EXAMPLES))
+        .shuffle(64, seed=3)
+        .apply(lambda d: tf.data.Dataset.zip(noise_seeds, d))
+        .map(augment)
+    )
+    return dataset.batch(BATCH) if batched else dataset
+
+
+def model():
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((FEATURES,))
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    m = keras.Model(inputs, keras.layers.Dense(CLASSES)(hidden))
+    m.compile(
+        optimizer=keras.optimizers.SGD(0.3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return m
+
+
+def assert_same_training(history, keras_history, trained, keras_model, rtol=1e-5):
+    assert list(history.history) == list(keras_history.history)
+    for key, values in keras_history.history.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=rtol, atol=1e-6, err_msg=key)
+    for got, expected in zip(trained.get_weights(), keras_model.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=rtol, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def keras_run(records):
+    """Three passes over the pipeline, one after another on one stream: Keras fit on the
+    repeated pipeline in epochs of a pass (7 steps). (Keras fit on the finite pipeline
+    makes a spare iterator of it at each epoch's end, which moves the seeded shuffle and
+    random stream on by one: its epoch e reads the pipeline's run 2e - 1.)"""
+    reference = model()
+    history = reference.fit(pipeline(records).repeat(), epochs=3, steps_per_epoch=7, verbose=0)
+    return history, reference
+
+
+@pytest.fixture(scope="module")
+def keras_repeated(records):
+    """The same pipeline repeated, in epochs of 5 steps (windows on one stream)."""
+    reference = model()
+    history = reference.fit(pipeline(records).repeat(), epochs=3, steps_per_epoch=5, verbose=0)
+    return history, reference
+
+
+MODES = {
+    "single": dict(mode="single"),
+    "mirrored 2": dict(mode="mirrored", devices="cpu:0,cpu:1"),
+    "weighted [1, 3]": dict(mode="weighted", devices="cpu:0,cpu:1", powers=(1, 3)),
+}
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_a_tfrecord_pipeline_trains_as_keras_fit_trains_it(name, records, keras_run):
+    keras_history, reference = keras_run
+    trained = model()
+    history = tfdp.fit(trained, pipeline(records), epochs=3, verbose=0, **MODES[name])
+    assert_same_training(history, keras_history, trained, reference)
+    # 200 examples in batches of 32: 7 steps a pass, the last of 8 examples
+    assert history.result["iterations"] == 21 and history.result["steps_per_epoch"] == 7
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_a_repeated_pipeline_trains_in_windows_as_keras_fit_does(name, records, keras_repeated):
+    keras_history, reference = keras_repeated
+    trained = model()
+    history = tfdp.fit(
+        trained, pipeline(records).repeat(), epochs=3, steps_per_epoch=5, verbose=0, **MODES[name]
+    )
+    assert_same_training(history, keras_history, trained, reference)
+    assert history.result["iterations"] == 15
+
+
+def test_the_stream_is_read_again_in_every_pass(records, keras_run):
+    """The same pipeline read once and its batches replayed (a frozen stream) trains
+    otherwise: the order and the noise of a pass differ from the pass before."""
+    keras_history, _ = keras_run
+    frozen = list(pipeline(records))
+    replayed = tf.data.Dataset.from_generator(
+        lambda: iter(frozen), output_signature=pipeline(records).element_spec
+    )
+    keras_model = model()
+    replayed_history = keras_model.fit(replayed.repeat(), epochs=3, steps_per_epoch=7, verbose=0)
+    assert replayed_history.history["loss"][0] == keras_history.history["loss"][0]
+    assert not np.allclose(replayed_history.history["loss"][1:], keras_history.history["loss"][1:])
+
+
+def test_an_unbatched_dataset_is_batched_to_batch_size(records, keras_run):
+    keras_history, reference = keras_run
+    trained = model()
+    history = tfdp.fit(
+        trained, pipeline(records, batched=False), batch_size=BATCH, epochs=3, verbose=0
+    )
+    assert_same_training(history, keras_history, trained, reference)
+
+
+class Batches(keras.utils.PyDataset):
+    """Batch i of the examples, and the epochs Keras announced."""
+
+    def __init__(self):
+        super().__init__()
+        self.x, self.y = examples()
+        self.ends = 0
+
+    def __len__(self):
+        return -(-EXAMPLES // BATCH)
+
+    def __getitem__(self, index):
+        part = slice(index * BATCH, (index + 1) * BATCH)
+        return self.x[part], self.y[part]
+
+    def on_epoch_end(self):
+        self.ends += 1
+
+
+def test_a_py_dataset_trains_as_keras_fit_trains_it():
+    reference = model()
+    batches = Batches()
+    keras_history = reference.fit(batches, epochs=2, shuffle=False, verbose=0)
+    trained = model()
+    ours = Batches()
+    history = tfdp.fit(
+        trained, ours, epochs=2, shuffle=False, verbose=0, mode="mirrored", devices="cpu:0,cpu:1"
+    )
+    assert_same_training(history, keras_history, trained, reference)
+    assert ours.ends >= 1  # called between passes, as Keras calls it
+
+
+def generator():
+    x, y = examples()
+    while True:
+        for begin in range(0, EXAMPLES - BATCH + 1, BATCH):
+            yield x[begin : begin + BATCH], y[begin : begin + BATCH]
+
+
+def test_a_generator_trains_as_keras_fit_trains_it():
+    reference = model()
+    keras_history = reference.fit(generator(), epochs=2, steps_per_epoch=4, verbose=0)
+    trained = model()
+    history = tfdp.fit(trained, generator(), epochs=2, steps_per_epoch=4, verbose=0)
+    assert_same_training(history, keras_history, trained, reference)
+
+
+def test_a_generator_that_raises_names_the_step():
+    def failing():
+        for step, batch in enumerate(generator()):
+            if step == 5:
+                raise OSError("the disk went away")
+            yield batch
+
+    with pytest.raises(DataError) as failed:
+        tfdp.fit(model(), failing(), epochs=2, steps_per_epoch=4, verbose=0)
+    message = str(failed.value)
+    assert message.startswith("the training data (generator) failed (")
+    assert "at step 5; no checkpoint was saved" in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "data, settings, named, words",
+    [
+        (
+            lambda paths: pipeline(paths),
+            dict(batch_size=64),
+            ("batch_size", 64),
+            "disagrees with the tf.data.Dataset's batches of 32",
+        ),
+        (
+            lambda paths: pipeline(paths).repeat(),
+            dict(),
+            ("x", "tf.data.Dataset"),
+            "is infinite or of unknown length: give steps_per_epoch",
+        ),
+        (
+            lambda paths: pipeline(paths).take(0),
+            dict(),
+            ("x", "tf.data.Dataset"),
+            "has no examples",
+        ),
+        (
+            lambda paths: tf.data.TFRecordDataset(paths).map(parse).batch(BATCH),
+            dict(),
+            ("x", "tf.data.Dataset"),
+            "is infinite or of unknown length: give steps_per_epoch",
+        ),
+        (lambda paths: iter(()), dict(), ("x", "generator"), "has no examples"),
+        (lambda paths: generator(), dict(), ("x", "generator"), "is infinite or of unknown"),
+    ],
+)
+def test_bad_streams_are_one_line_before_training(data, settings, named, words, records):
+    def as_generator(value):  # iter(()) is an iterator, not a generator: make it one
+        return (item for item in value) if not isinstance(value, tf.data.Dataset) else value
+
+    with pytest.raises(ConfigError) as bad:
+        tfdp.fit(model(), as_generator(data(records)), epochs=1, verbose=0, **settings)
+    assert (bad.value.field, bad.value.value) == named
+    assert words in bad.value.reason

@@ -1,0 +1,237 @@
+"""Training data read as a pipeline: a tf.data.Dataset, a keras.utils.PyDataset or a generator.
+
+A `Stream` is the user's pipeline of global batches, read while training as
+Keras `fit` reads it: nothing is held in memory whole, `map` runs again in
+every pass (augmentation stays random), files are read as they are consumed.
+Each global batch is made once, on the host, and the trainer splits it as it
+splits a batch of arrays, so every mode makes `single`'s update on the same
+batches. Passes follow one another on one stream (`dataset.repeat()`): with
+`steps_per_epoch` an epoch is a window on it, as in Keras.
+
+A resumed run skips the steps already trained: the same batches again for a
+pipeline that makes the same batches every time it runs (seeded shuffles,
+stateless random ops, files in a fixed order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import numpy as np
+import tensorflow as tf
+
+from tfdp.errors import ConfigError
+
+# tf.data's Python classes that make batches of the elements beneath them.
+BATCHING = (
+    "_BatchDataset",
+    "_PaddedBatchDataset",
+    "_ParallelBatchDataset",
+    "_RebatchDataset",
+    "_MapAndBatchDataset",
+)
+PREFETCH_BATCHES = 2  # global batches made ahead of the step that reads them
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """A training pipeline of global batches.
+
+    Attributes:
+        dataset: one pass of global batches (or the whole stream, if infinite).
+        batch_size: the examples of a full global batch.
+        batches: batches of one pass; None: infinite, or unknown until read.
+        examples: examples of one pass, when known without reading it.
+        source: what the user gave, as errors name it ("tf.data.Dataset", ...).
+        one_pass: whether `dataset` is one pass, run again for each pass (a
+            tf.data pipeline); else it is the whole stream (a generator, a PyDataset).
+        sample: a global batch's structure as numpy arrays, to build the model and
+            time the devices on: the first batch of a generator or PyDataset, zeros
+            of a tf.data pipeline's element spec (reading a batch ahead would start
+            an iteration of the pipeline, and move its seeded shuffles on by one).
+    """
+
+    dataset: tf.data.Dataset
+    batch_size: int
+    batches: int | None
+    examples: int | None
+    source: str
+    one_pass: bool
+    sample: object
+
+    @property
+    def last_batch(self) -> int:
+        """The examples of a pass's last batch (the batch size when unknown)."""
+        if self.examples is None or self.batches is None:
+            return self.batch_size
+        return self.examples - (self.batches - 1) * self.batch_size
+
+    def first_examples(self, count: int):
+        """The first `count` examples (at most a batch), as a model batch on the host."""
+        with tf.device("/cpu:0"):
+            return tf.nest.map_structure(lambda leaf: tf.constant(leaf[:count]), self.sample)
+
+    def training_batches(self, start_step: int = 0) -> tf.data.Dataset:
+        """The global batches of steps start_step, start_step + 1, ...: pass after pass,
+        each a new run of the pipeline."""
+        stream = self.dataset
+        if self.one_pass and self.batches is not None:
+            stream = stream.repeat()
+        return stream.skip(start_step).prefetch(PREFETCH_BATCHES)
+
+
+def is_stream_input(x) -> bool:
+    """Whether Keras `fit` would read `x` as a pipeline: a dataset, PyDataset or generator."""
+    import keras
+
+    return isinstance(x, (tf.data.Dataset, keras.utils.PyDataset, types.GeneratorType))
+
+
+def from_input(x, batch_size, drop_remainder=False, shuffle=True, seed=0, field="x") -> Stream:
+    """The Stream of what Keras `fit` reads as a pipeline (see `is_stream_input`)."""
+    import keras
+
+    if isinstance(x, tf.data.Dataset):
+        return from_dataset(x, batch_size, drop_remainder, field)
+    if isinstance(x, keras.utils.PyDataset):
+        return from_py_dataset(x, batch_size, shuffle, seed, field)
+    return from_generator(x, batch_size, field)
+
+
+def dataset_batching(dataset) -> tuple[bool, int | None, bool]:
+    """(batched, batch size if known, drop_remainder) of a tf.data pipeline: the nearest
+    batching (or unbatching) transformation upstream of its elements."""
+    node = dataset
+    while True:
+        name = type(node).__name__
+        if name == "_UnbatchDataset":
+            return False, None, False
+        if name in BATCHING:
+            size = getattr(node, "_batch_size", None)
+            size = int(np.asarray(size)) if size is not None else None
+            return True, size, bool(np.asarray(getattr(node, "_drop_remainder", False)))
+        inputs = node._inputs()  # noqa: SLF001  (tf.data's own graph of datasets)
+        if not inputs:
+            return False, None, False
+        node = inputs[0]
+
+
+def _batch_size_of(first) -> int:
+    return int(np.shape(tf.nest.flatten(first)[0])[0])
+
+
+def _zeros(spec, batch_size: int):
+    """A batch of zeros of a dataset's element spec."""
+
+    def zeros(leaf):
+        if not isinstance(leaf, tf.TensorSpec) or not leaf.shape[1:].is_fully_defined():
+            raise ConfigError("x", "tf.data.Dataset", f"has an element {leaf}: tfdp takes dense "
+                              "tensors of known shape after the batch axis")
+        return np.zeros((batch_size, *leaf.shape[1:]), leaf.dtype.as_numpy_dtype)
+
+    return tf.nest.map_structure(zeros, spec)
+
+
+def from_dataset(dataset, batch_size, drop_remainder, field="x", source="tf.data.Dataset"):
+    """A Stream of a tf.data pipeline; an unbatched one is batched to `batch_size`.
+
+    batch_size: the caller's, None for the dataset's own (a batched dataset), or
+    Keras' default for an unbatched one. Nothing is read here.
+    """
+    batched, size, dropped = dataset_batching(dataset)
+    if not batched:
+        dataset = dataset.batch(batch_size or 32, drop_remainder=drop_remainder)
+        size, dropped = batch_size or 32, drop_remainder
+    if size is None:
+        size = tf.nest.flatten(dataset.element_spec)[0].shape[0]
+    if size is None:
+        raise ConfigError(
+            field,
+            source,
+            "is batched, but its batch size is not known before reading it: end it with "
+            ".batch(n), or give batch_size and an unbatched dataset",
+        )
+    if batched and batch_size is not None and batch_size != size:
+        raise ConfigError(
+            "batch_size",
+            batch_size,
+            f"disagrees with the {source}'s batches of {size} (x is batched: leave "
+            "batch_size out, or batch the dataset to it)",
+        )
+    cardinality = int(dataset.cardinality())
+    if cardinality == 0:
+        raise ConfigError(field, source, "has no examples")
+    batches = None if cardinality < 0 else cardinality  # infinite or unknown
+    examples = None
+    if not batched:
+        elements = int(dataset._input_dataset.cardinality())  # noqa: SLF001
+        examples = elements if elements >= 0 else None
+        if examples is not None and dropped:
+            examples = (examples // size) * size
+    elif dropped and batches is not None:
+        examples = batches * size
+    sample = _zeros(dataset.element_spec, size)
+    return Stream(dataset, size, batches, examples, source, True, sample)
+
+
+def from_generator(generator, batch_size, field="x"):
+    """A Stream of a Python generator of batches (read once: one pass, length unknown)."""
+    try:
+        first = next(generator)
+    except StopIteration:
+        raise ConfigError(field, "generator", "has no examples") from None
+    first = tf.nest.map_structure(np.asarray, tuple(first) if isinstance(first, list) else first)
+    size = _batch_size_of(first)
+    if batch_size is not None and batch_size != size:
+        raise ConfigError(
+            "batch_size", batch_size, f"disagrees with the generator's batches of {size}"
+        )
+    signature = tf.nest.map_structure(
+        lambda leaf: tf.TensorSpec((None, *leaf.shape[1:]), tf.as_dtype(leaf.dtype)), first
+    )
+
+    def batches():
+        yield first
+        yield from generator
+
+    dataset = tf.data.Dataset.from_generator(batches, output_signature=signature)
+    return Stream(dataset, size, None, None, "generator", False, first)
+
+
+def from_py_dataset(py_dataset, batch_size, shuffle, seed, field="x"):
+    """A Stream of a keras.utils.PyDataset: batch i of a pass is `py_dataset[i]`, in
+    order (shuffle False) or in an order that is a function of (seed, pass)."""
+    count = py_dataset.num_batches
+    if count == 0:
+        raise ConfigError(field, "PyDataset", "has no examples")
+    first = py_dataset[0]
+    first = tf.nest.map_structure(np.asarray, tuple(first) if isinstance(first, list) else first)
+    size = _batch_size_of(first)
+    if batch_size is not None and batch_size != size:
+        raise ConfigError(
+            "batch_size", batch_size, f"disagrees with the PyDataset's batches of {size}"
+        )
+    signature = tf.nest.map_structure(
+        lambda leaf: tf.TensorSpec((None, *leaf.shape[1:]), tf.as_dtype(leaf.dtype)), first
+    )
+
+    def one_pass(epoch):
+        order = np.arange(count)
+        if shuffle is True and count is not None:
+            order = np.random.default_rng([seed, int(epoch)]).permutation(count)
+        py_dataset.on_epoch_begin()
+        for index in order if count is not None else iter(int, 1):
+            batch = py_dataset[int(index)]
+            yield tuple(batch) if isinstance(batch, list) else batch
+        py_dataset.on_epoch_end()
+
+    if count is None:  # infinite: one endless pass
+        dataset = tf.data.Dataset.from_generator(lambda: one_pass(0), output_signature=signature)
+    else:  # pass after pass, each in its own order
+        dataset = tf.data.Dataset.counter().flat_map(
+            lambda epoch: tf.data.Dataset.from_generator(
+                one_pass, args=(epoch,), output_signature=signature
+            )
+        )
+    return Stream(dataset, size, count, None, "PyDataset", False, first)
