@@ -58,8 +58,9 @@ class Config:
     dataset: str | None = setting(
         None,
         "mnist (float32 images 28x28x1 in [0, 1], int32 labels 0-9), toy (the tutorial's "
-        "clusters), or MODULE:FUNCTION returning (train, validation), each numpy arrays such as "
-        "(x, y) or (x, y, sample_weight) or an unbatched tf.data.Dataset of such elements; "
+        "clusters), or MODULE:FUNCTION returning (train, validation): numpy arrays such as "
+        "(x, y) or (x, y, sample_weight), or a tf.data.Dataset of such elements (batched or "
+        "not; train is streamed), a keras.utils.PyDataset or a generator (train only); "
         "validation may be None. Default: the model's own (lenet: mnist, toy: toy, others: mnist).",
     )
     devices: str = setting(

@@ -126,8 +126,12 @@ def _zeros(spec, batch_size: int):
 
     def zeros(leaf):
         if not isinstance(leaf, tf.TensorSpec) or not leaf.shape[1:].is_fully_defined():
-            raise ConfigError("x", "tf.data.Dataset", f"has an element {leaf}: tfdp takes dense "
-                              "tensors of known shape after the batch axis")
+            raise ConfigError(
+                "x",
+                "tf.data.Dataset",
+                f"has an element {leaf}: tfdp takes dense "
+                "tensors of known shape after the batch axis",
+            )
         return np.zeros((batch_size, *leaf.shape[1:]), leaf.dtype.as_numpy_dtype)
 
     return tf.nest.map_structure(zeros, spec)

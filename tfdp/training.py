@@ -11,12 +11,13 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 from typing import Callable
 
 import tensorflow as tf
 
 from tfdp import data as data_lib
-from tfdp import onednn, sources
+from tfdp import onednn, sources, streams
 from tfdp.checkpoints import check_model_dir, export_model, write_atomically
 from tfdp.config import AUTO, DATASETS, DEFAULT_ITERATIONS, MODELS, Config
 from tfdp.devices import (
@@ -244,11 +245,21 @@ def load_data(config: Config):
         raise ConfigError(
             "dataset", config.dataset, "must return (train, validation); validation may be None"
         )
-    train, test = (
-        sources.as_arrays(part, "dataset", config.dataset, name)
-        for part, name in zip(returned, ("train", "validation"))
-    )
-    return train, test
+    train, test = returned
+    if streams.is_stream_input(train):  # read as a pipeline, batch by batch
+        try:
+            train = streams.from_input(
+                train, config.batch_size, config.drop_remainder, config.shuffle, config.seed
+            )
+        except ConfigError as error:
+            if error.field != "x":
+                raise
+            raise ConfigError(
+                "dataset", config.dataset, f"train data, a {error.value}, {error.reason}"
+            ) from None
+    else:
+        train = sources.as_arrays(train, "dataset", config.dataset, "train")
+    return train, sources.as_arrays(test, "dataset", config.dataset, "validation")
 
 
 def model_spec_for(config: Config, samples: dict, model=None) -> ModelSpec:
@@ -316,9 +327,11 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
     if data_lib.is_stream(train_data):
         per_pass = train_data.batches or config.steps_per_epoch or config.iterations
         if per_pass is None:
+            value = config.dataset if field == "dataset" else train_data.source
             raise ConfigError(
                 field,
-                train_data.source,
+                value,
+                f"{'train data, a ' + train_data.source + ', ' if field == 'dataset' else ''}"
                 "is infinite or of unknown length: give steps_per_epoch, as Keras fit needs "
                 "(or, for a tf.data pipeline of known length, "
                 "dataset.apply(tf.data.experimental.assert_cardinality(n)))",
@@ -420,11 +433,16 @@ def reading_input(error) -> bool:
 def input_failure(plan: Plan, run, error, checkpointer) -> str:
     """One line for a stream that failed at a step: what, where, and what stands."""
     data = plan.train_data
-    first = (getattr(error, "message", str(error)).strip().splitlines() or [""])[0]
+    boilerplate = ("Graph execution error", "Detected at node", "<stack traces", "Traceback")
+    lines = [line.strip() for line in getattr(error, "message", str(error)).splitlines()]
+    cause = next((line for line in lines if line and not line.startswith(boilerplate)), "")
+    cause = cause.split(" [[", 1)[0].split(" [Op:", 1)[0]
     if isinstance(error, tf.errors.OutOfRangeError):
         what = "ran out of batches"
+    elif re.match(r"^\w+(Error|Exception): ", cause):  # the user's code raised it
+        what = f"failed ({cause})"
     else:
-        what = f"failed ({type(error).__name__}: {first})"
+        what = f"failed ({type(error).__name__}: {cause})"
     step = run.step
     text = f"the training data ({data.source}) {what} at step {step}"
     latest = tf.train.latest_checkpoint(checkpointer.directory) if checkpointer else None

@@ -49,6 +49,12 @@ def banner(plan, trainer, start_step: int, shards: list[int]) -> str:
         )
     if start_step:
         text += f"; resuming at iteration {start_step} from {config.model_dir}"
+        if plan.examples is None or hasattr(plan.train_data, "source"):  # a stream
+            text += (
+                f" (the {plan.train_data.source} is read again from its start and its first "
+                f"{start_step} batches dropped: the same batches if it makes the same ones on "
+                "every run)"
+            )
     if config.mode == "weighted" and config.reduce == "device0":
         from tfdp.devices import master_on_cpu
 
