@@ -6,7 +6,7 @@ Every fenced shell command of README.md and docs/*.md that runs `tfdp`,
 output) is checked:
 
 - every `--flag` it uses is one its module defines (absl's FLAGS of
-  tfdp.cli, tfdp.bench.table or tfdp.bench.steps; tfdp.launch's own flags
+  tfdp.cli, tfdp.bench.table, tfdp.bench.steps or tfdp.bench.memory; tfdp.launch's own flags
   plus tfdp's, which it passes on);
 - the quick ones are run from the repository root, as CI runs the tests
   (`.ci/run`), with `--model_dir` and `--result_json` moved into a
@@ -184,7 +184,7 @@ absl = [f.name for m in absl for f in flags.FLAGS.get_flags_for_module(m)]
 print(json.dumps({"names": names + absl + ["flagfile"], "booleans": booleans}))
 """
     found = {}
-    for module in sorted(set(MODULES.values()) | {"tfdp.bench.steps"}):
+    for module in sorted(set(MODULES.values()) | {"tfdp.bench.steps", "tfdp.bench.memory"}):
         process = subprocess.run(
             [sys.executable, "-c", script, module],
             capture_output=True,

@@ -52,26 +52,37 @@ def parse(record):
     return parsed["x"], parsed["y"]
 
 
-def augment(seed, example):
-    """Stateless noise, its seed drawn from a seeded random stream: new noise every pass."""
+def augment(index, example):
+    """Stateless noise, seeded by the example's index: each example's own noise."""
     x, y = example
-    noise = tf.random.stateless_normal([FEATURES], seed=tf.stack([seed, 0]), stddev=0.1)
+    noise = tf.random.stateless_normal([FEATURES], seed=tf.stack([index, 7]), stddev=0.1)
     return x + noise, y
 
 
-def pipeline(paths, batched=True):
-    """Files read as consumed, parsed, shuffled with a seed, augmented, batched: a pass of
-    200 examples (TFRecord files do not say how many they hold: the pipeline does)."""
-    noise_seeds = tf.data.Dataset.random(seed=5, rerandomize_each_iteration=True)
+def pipeline(paths, batched=True, reads=None):
+    """Files read as consumed, parsed, numbered, shuffled with a seed, augmented, batched:
+    a pass of 200 examples (TFRecord files do not say how many they hold: the pipeline
+    does). reads: a list that gets an entry for each record parsed."""
+    dataset = tf.data.TFRecordDataset(paths).map(parse)
+    if reads is not None:
+        dataset = dataset.map(lambda x, y: (counted(x, reads), y))
     dataset = (
-        tf.data.TFRecordDataset(paths)
-        .map(parse)
-        .apply(tf.data.experimental.assert_cardinality(EXAMPLES))
+        dataset.apply(tf.data.experimental.assert_cardinality(EXAMPLES))
+        .enumerate()
         .shuffle(64, seed=3)
-        .apply(lambda d: tf.data.Dataset.zip(noise_seeds, d))
         .map(augment)
     )
     return dataset.batch(BATCH) if batched else dataset
+
+
+def counted(x, reads):
+    """`x`, counted in `reads` as the pipeline makes it."""
+
+    def count(value):
+        reads.append(1)
+        return value
+
+    return tf.ensure_shape(tf.numpy_function(count, [x], tf.float32, stateful=False), [FEATURES])
 
 
 def model():
@@ -340,10 +351,7 @@ def test_a_stopped_stream_resumes_mid_pass_on_other_devices_exactly(records, ker
     assert history.result["start_iteration"] == 10 and history.result["iterations"] == 21
     banner = next(line for line in lines if line.startswith("global batch"))
     assert "resuming at iteration 10" in banner
-    assert (
-        "the tf.data.Dataset is read again from its start and its first 10 batches dropped"
-        in banner
-    )
+    assert banner.endswith("(the tf.data.Dataset at the position saved with the checkpoint)")
     for got, expected in zip(trained.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
@@ -376,3 +384,170 @@ def test_a_corrupt_record_file_found_mid_run_names_the_step_and_keeps_the_checkp
     assert message.endswith(
         f"{model_dir}/checkpoints/ckpt-{saved} stands: run again to resume from it"
     )
+
+
+WORKER = """
+import sys
+
+import numpy as np
+
+import tfdp
+
+tfdp.join_cluster()  # before any other TensorFlow op
+import test_streams as t
+
+out, paths = sys.argv[1], sys.argv[2:]
+trained = t.model()
+history = tfdp.fit(
+    trained, t.pipeline(paths).repeat(), epochs=3, steps_per_epoch=5, verbose=0,
+    mode="multiworker", powers=(1, 3),
+)
+np.savez(out, *trained.get_weights(), loss=history.history["loss"])
+"""
+
+
+@pytest.mark.slow
+def test_two_workers_stream_the_pipeline_as_keras_fit_on_one_device(
+    records, keras_repeated, tmp_path
+):
+    import os
+    import subprocess
+    import sys
+
+    from helpers import environment
+
+    from tfdp.launch import free_ports, tf_configs
+
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    here = os.path.dirname(os.path.abspath(__file__))
+    outs = [str(tmp_path / f"worker{i}.npz") for i in (0, 1)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(script), out, *records],
+            env=environment(TF_CONFIG=tf_config, PYTHONPATH=here),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for out, tf_config in zip(outs, tf_configs(free_ports(2)))
+    ]
+    try:
+        outputs = [w.communicate(timeout=600) for w in workers]
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
+    assert [w.returncode for w in workers] == [0, 0], [err[-3000:] for _, err in outputs]
+    keras_history, reference = keras_repeated
+    for out in outs:
+        saved = np.load(out)
+        np.testing.assert_allclose(saved["loss"], keras_history.history["loss"], rtol=1e-5)
+        weights = [saved[f"arr_{i}"] for i in range(len(reference.get_weights()))]
+        for got, expected in zip(weights, reference.get_weights(), strict=True):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_resume_reads_no_trained_batch_again(records, keras_run, tmp_path):
+    """With the position saved, the resumed run reads what it trains on (11 steps: 304
+    examples) and what it reads ahead (the shuffle buffer, 2 batches), not the 10 steps
+    trained before; read again, they would be 320 more."""
+    _, reference = keras_run
+    model_dir = str(tmp_path / "run")
+    first, rest = [], []
+    tfdp.fit(model(), pipeline(records, reads=first), iterations=10, verbose=0, model_dir=model_dir)
+    trained = model()
+    tfdp.fit(trained, pipeline(records, reads=rest), epochs=3, verbose=0, model_dir=model_dir)
+    assert 304 <= len(rest) <= 304 + 64 + 2 * BATCH
+    for got, expected in zip(trained.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def generated(paths):
+    """The pipeline's examples through a Python generator: a position tf.data cannot save."""
+    x, y = examples()
+    return (
+        tf.data.Dataset.from_generator(
+            lambda: zip(x, y),
+            output_signature=(tf.TensorSpec([FEATURES], tf.float32), tf.TensorSpec([], tf.int64)),
+        )
+        .apply(tf.data.experimental.assert_cardinality(EXAMPLES))
+        .batch(BATCH)
+    )
+
+
+def test_a_position_that_cannot_be_saved_is_said_and_the_resume_reads_again(records, tmp_path):
+    straight = model()
+    tfdp.fit(straight, generated(records), epochs=2, verbose=0)
+    model_dir = str(tmp_path / "run")
+    lines = []
+    tfdp.fit(
+        model(),
+        generated(records),
+        iterations=10,
+        verbose=0,
+        log=lines.append,
+        model_dir=model_dir,
+        checkpoint_every=4,
+    )
+    said = [line for line in lines if "input position" in line]
+    assert len(said) == 1 and said[0].startswith("tfdp: the input position cannot be saved (")
+    assert said[0].endswith(
+        "a resume reads the stream again from its start and drops the trained batches"
+    )
+    lines, trained = [], model()
+    tfdp.fit(
+        trained, generated(records), epochs=2, verbose=0, log=lines.append, model_dir=model_dir
+    )
+    banner = next(line for line in lines if line.startswith("global batch"))
+    assert "its first 10 batches dropped" in banner
+    for got, expected in zip(trained.get_weights(), straight.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_resume_with_another_pipeline_is_refused(records, tmp_path):
+    model_dir = str(tmp_path / "run")
+    tfdp.fit(model(), pipeline(records), iterations=10, verbose=0, model_dir=model_dir)
+    other = (
+        tf.data.TFRecordDataset(records)
+        .map(parse)
+        .apply(tf.data.experimental.assert_cardinality(EXAMPLES))
+        .batch(BATCH)
+    )  # no shuffle, no noise
+    with pytest.raises(ConfigError) as refused:
+        tfdp.fit(model(), other, epochs=3, verbose=0, model_dir=model_dir)
+    assert (refused.value.field, refused.value.value) == ("model_dir", model_dir)
+    assert "holds the position of another pipeline than this one" in refused.value.reason
+    assert "\n" not in refused.value.reason
+
+
+def test_a_pipeline_whose_randomness_is_not_saved_resumes_by_reading_again(records, tmp_path):
+    """A Dataset.random stream is not restored exactly from a saved position (TensorFlow
+    2.21): such a pipeline is read again from its start, and resumes exactly."""
+
+    def noisy(index, example):
+        return augment(index % 1000, example)
+
+    def reseeded():
+        parsed = tf.data.TFRecordDataset(records).map(parse)
+        return (
+            tf.data.Dataset.zip(
+                tf.data.Dataset.random(seed=5, rerandomize_each_iteration=True), parsed
+            )
+            .apply(tf.data.experimental.assert_cardinality(EXAMPLES))
+            .map(noisy)
+            .batch(BATCH)
+        )
+
+    straight = model()
+    tfdp.fit(straight, reseeded(), epochs=3, verbose=0)
+    model_dir = str(tmp_path / "run")
+    tfdp.fit(model(), reseeded(), iterations=10, verbose=0, model_dir=model_dir)
+    lines, trained = [], model()
+    tfdp.fit(trained, reseeded(), epochs=3, verbose=0, log=lines.append, model_dir=model_dir)
+    banner = next(line for line in lines if line.startswith("global batch"))
+    assert (
+        "its first 10 batches dropped, as its Dataset.random is not saved with a position"
+    ) in banner
+    for got, expected in zip(trained.get_weights(), straight.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

@@ -206,6 +206,9 @@ class Checkpointer:
         self.checkpoint = tf.train.Checkpoint(
             model=trainer.model, optimizer=trainer.optimizer, step=self.step, run=self.state
         )
+        self.restored_path = None  # the checkpoint `restore` read
+        self.input = None  # a stream's iterator, saved with each checkpoint (`keep_input`)
+        self.log = print
 
     @functools.cached_property
     def manager(self):
@@ -293,16 +296,68 @@ class Checkpointer:
             return "its data file is missing"
         try:
             reader = tf.train.load_checkpoint(path)
-            for name in reader.get_variable_to_shape_map():
-                reader.get_tensor(name)
+            for name, dtype in reader.get_variable_to_dtype_map().items():
+                if dtype != tf.variant:  # a stream's position reads back when restored
+                    reader.get_tensor(name)
         except IndexError as error:  # the reader's words for a short read
             return f"its data file is truncated ({error})"
         except (tf.errors.OpError, OSError, ValueError) as error:
             return f"it does not read back ({_reason(error)})"
         return None
 
+    def saved_input(self) -> bool:
+        """Whether the restored checkpoint holds a stream's position."""
+        import tensorflow as tf
+
+        if self.restored_path is None:
+            return False
+        names = tf.train.load_checkpoint(self.restored_path).get_variable_to_shape_map()
+        return any(name.startswith("input/") for name in names)
+
+    def restore_input(self, iterator) -> None:
+        """Puts a new iterator of the stream at the restored checkpoint's position."""
+        import tensorflow as tf
+
+        try:
+            tf.train.Checkpoint(input=iterator).restore(self.restored_path).expect_partial()
+        except (tf.errors.OpError, ValueError) as error:
+            reason = getattr(error, "message", str(error)).strip().splitlines()[0]
+            raise ConfigError(
+                "model_dir",
+                self.config.model_dir,
+                f"its checkpoint {self.restored_path} holds the position of another pipeline "
+                f"than this one ({reason}); give the pipeline it was saved with, or another "
+                "model_dir",
+            ) from None
+
+    def keep_input(self, iterator) -> None:
+        """Saves `iterator`'s position with every checkpoint from now on."""
+        self.input = iterator
+        self.checkpoint.input = iterator
+
+    def _without_input(self, error) -> None:
+        """The stream's position cannot be saved (a generator inside it): the checkpoints
+        hold the rest, and a resume reads the stream again."""
+        import tensorflow as tf
+
+        reason = getattr(error, "message", str(error)).strip().splitlines()[0]
+        self.log(
+            f"tfdp: the input position cannot be saved ({reason.split('}} ')[-1]}); a resume "
+            "reads the stream again from its start and drops the trained batches"
+        )
+        self.input = None
+        self.checkpoint = tf.train.Checkpoint(
+            model=self.trainer.model,
+            optimizer=self.trainer.optimizer,
+            step=self.step,
+            run=self.state,
+        )
+        self.__dict__.pop("manager", None)
+
     def _restore(self, path: str) -> None:
         import tensorflow as tf
+
+        self.restored_path = path
 
         checkpoint = self.checkpoint
         names = tf.train.load_checkpoint(path).get_variable_to_shape_map()
@@ -420,6 +475,14 @@ class Checkpointer:
         try:
             path = self.manager.save(checkpoint_number=step)
         except Exception as error:
+            import tensorflow as tf
+
+            unsaveable = (tf.errors.UnimplementedError, tf.errors.FailedPreconditionError)
+            if self.input is not None and isinstance(error, unsaveable):
+                for name in set(_listdir(self.directory)) - before:
+                    _remove(os.path.join(self.directory, name))
+                self._without_input(error)
+                return self.save(step)
             if not self._is_storage_error(error):
                 raise
             index, _ = self._read_index()

@@ -47,6 +47,7 @@ class Run:
       progress: the live progress line, if any (`observe.Progress`).
       clock: the run's time.
       metrics: the loss and compiled metrics of the last logged step's global batch.
+      input_note: how a resumed stream was put at its position, for the banner.
     """
 
     plan: object
@@ -61,6 +62,7 @@ class Run:
     progress: object = None
     clock: Clock = dataclasses.field(default_factory=Clock)
     metrics: dict | None = None
+    input_note: str | None = None
 
     def say(self, line: str) -> None:
         if self.progress is not None:

@@ -99,6 +99,20 @@ def from_input(x, batch_size, drop_remainder=False, shuffle=True, seed=0, field=
     return from_generator(x, batch_size, field)
 
 
+def unsaved_state(dataset) -> str | None:
+    """What of a pipeline's state TensorFlow's iterator checkpoints do not restore
+    exactly, if any: a `Dataset.random` stream (TensorFlow 2.21: a run restored at a
+    saved position drew other numbers after the next pass began). None: the position
+    restores exactly, as far as tfdp knows."""
+    nodes = [dataset]
+    while nodes:
+        node = nodes.pop()
+        if type(node).__name__ == "_RandomDataset":
+            return "Dataset.random"
+        nodes.extend(node._inputs())  # noqa: SLF001
+    return None
+
+
 def dataset_batching(dataset) -> tuple[bool, int | None, bool]:
     """(batched, batch size if known, drop_remainder) of a tf.data pipeline: the nearest
     batching (or unbatching) transformation upstream of its elements."""
@@ -129,8 +143,9 @@ def _zeros(spec, batch_size: int):
             raise ConfigError(
                 "x",
                 "tf.data.Dataset",
-                f"has an element {leaf}: tfdp takes dense "
-                "tensors of known shape after the batch axis",
+                f"has an element {leaf}: tfdp takes dense tensors whose shape after the batch "
+                "axis is known before reading; give it in the pipeline (tf.reshape, "
+                "tf.ensure_shape)",
             )
         return np.zeros((batch_size, *leaf.shape[1:]), leaf.dtype.as_numpy_dtype)
 

@@ -389,6 +389,7 @@ def restore(checkpointer, trainer, log) -> int:
     """
     if checkpointer is None:
         return 0
+    checkpointer.log = log
     given = None if schedule_of(trainer.optimizer) else learning_rate(trainer.optimizer)
     checkpointer.state.providers["given_learning_rate"] = lambda: given
     step = checkpointer.restore(log)
@@ -421,6 +422,37 @@ def saved_result(plan: Plan, start_step: int) -> dict | None:
             return json.load(f)
     except (OSError, ValueError):
         return None
+
+
+def stream_iterator(plan: Plan, trainer, checkpointer, start_step: int):
+    """The stream's iterator at step `start_step`, and what the banner says of it.
+
+    A tf.data pipeline read by a host iterator has its position saved with every
+    checkpoint, and a resume restores it there (with its shuffle buffers): no batch
+    is read again. Else, or from a checkpoint without it, the stream is read again
+    from its start and the trained batches are dropped.
+    """
+    stream = plan.train_data
+    unsaved = streams.unsaved_state(stream.dataset) if stream.one_pass else None
+    saves = checkpointer is not None and stream.one_pass and trainer.host_iterator
+    saves = saves and unsaved is None
+    note = None
+    if saves and start_step and checkpointer.saved_input():
+        iterator = trainer.distribute(plan.training_batches(0))
+        checkpointer.restore_input(iterator)
+        note = f"the {stream.source} at the position saved with the checkpoint"
+    else:
+        iterator = trainer.distribute(plan.training_batches(start_step))
+        if start_step:
+            note = (
+                f"the {stream.source} is read again from its start and its first "
+                f"{start_step} batches dropped"
+                + (f", as its {unsaved} is not saved with a position" if unsaved else "")
+                + ": the same batches if it makes the same ones on every run"
+            )
+    if saves:
+        checkpointer.keep_input(iterator)
+    return iterator, note
 
 
 def reading_input(error) -> bool:
@@ -505,7 +537,12 @@ def run(
         state = Run(plan, trainer, None, log, start_step, start_step, progress=progress)
         split = trainer.Split(trainer)
         split_info, probe = set_up_split(state, split, checkpointer)
-        state.iterator = trainer.distribute(plan.training_batches(start_step))  # split set
+        if data_lib.is_stream(plan.train_data):  # after the split is set
+            state.iterator, state.input_note = stream_iterator(
+                plan, trainer, checkpointer, start_step
+            )
+        else:
+            state.iterator = trainer.distribute(plan.training_batches(start_step))
         summaries = Summaries(config.model_dir) if config.model_dir and trainer.is_chief else None
         guard = FiniteGuard(checkpointer)
         checkpoints = Checkpoints(checkpointer, guard) if checkpointer else None

@@ -26,7 +26,7 @@ def schedule_of(optimizer):
     return rate if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) else None
 
 
-def banner(plan, trainer, start_step: int, shards: list[int]) -> str:
+def banner(plan, trainer, start_step: int, shards: list[int], input_note=None) -> str:
     """The batch arithmetic, printed once at start."""
     config, n = plan.config, len(plan.devices)
     split = " + ".join(str(s) for s in shards)
@@ -49,12 +49,8 @@ def banner(plan, trainer, start_step: int, shards: list[int]) -> str:
         )
     if start_step:
         text += f"; resuming at iteration {start_step} from {config.model_dir}"
-        if plan.examples is None or hasattr(plan.train_data, "source"):  # a stream
-            text += (
-                f" (the {plan.train_data.source} is read again from its start and its first "
-                f"{start_step} batches dropped: the same batches if it makes the same ones on "
-                "every run)"
-            )
+        if input_note:  # a stream: how it resumes
+            text += f" ({input_note})"
     if config.mode == "weighted" and config.reduce == "device0":
         from tfdp.devices import master_on_cpu
 
@@ -91,7 +87,7 @@ class TutorialLog(Hook):
         shards = list(run.trainer.shards)
         pairs = [(short_name(d), n) for d, n in zip(run.plan.devices, shards)]
         run.say(f"workload partition: {pairs}")
-        run.say(banner(run.plan, run.trainer, run.start_step, shards))
+        run.say(banner(run.plan, run.trainer, run.start_step, shards, run.input_note))
         run.result.update(shards=shards, log=[])
         run.clock.start = time.perf_counter()
 

@@ -41,6 +41,8 @@ class Trainer:
 
     # --- the step (each trainer implements these)
 
+    host_iterator = True  # `distribute` gives a tf.data iterator (its position can be saved)
+
     def distribute(self, dataset):
         """The iterator `train_step` reads, from a dataset of global batches."""
         raise NotImplementedError

@@ -110,6 +110,10 @@ class MirroredTrainer(Trainer):
     def describe(self) -> str:
         return "; gradients summed by allreduce" if self.balanced else ""
 
+    @property
+    def host_iterator(self) -> bool:
+        return self.input == "split"  # else tf.distribute's, which cannot be saved
+
     def distribute(self, dataset):
         """The iterator `train_step` reads."""
         if self.input == "split":
