@@ -228,6 +228,29 @@ def worker_lines(output, worker):
     return [line[len(prefix) :] for line in output.splitlines() if line.startswith(prefix)]
 
 
+def run_together(commands, envs, cwd=None, timeout=600):
+    """Starts one process per command, each with its environment, and waits for all (any
+    left at the end is killed): [(exit status, stdout, stderr)] in order."""
+    processes = [
+        subprocess.Popen(
+            command,
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for command, env in zip(commands, envs)
+    ]
+    try:
+        outputs = [process.communicate(timeout=timeout) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+    return [(p.returncode, out, err) for p, (out, err) in zip(processes, outputs)]
+
+
 def start_workers(args, tf_configs, cwd=None, env=None):
     """`tfdp --mode=multiworker` started by hand, one process per TF_CONFIG."""
     return [

@@ -11,12 +11,11 @@ import dataclasses
 import json
 import os
 import socket
-import subprocess
 import sys
 
 import numpy as np
 import pytest
-from helpers import environment, load_weights, refusal, result, train
+from helpers import environment, load_weights, refusal, result, run_together, train
 
 from tfdp import Config
 from tfdp.cluster import find_cluster, read_cluster, slurm_cluster, slurm_gpus
@@ -286,24 +285,13 @@ def test_two_slurm_tasks_make_the_update_of_single(tmp_path):
         f"--model_dir={tmp_path / 'slurm'}",
         "--progress=never",
     ]
-    tasks = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tfdp", *flags],
-            env=environment(**step(rank, host, "2", 2, host, rank)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        outputs = [task.communicate(timeout=300) for task in tasks]
-    finally:
-        for task in tasks:
-            task.kill()
-            task.wait()
-    assert [task.returncode for task in tasks] == [0, 0], [err[-2000:] for _, err in outputs]
-    for stdout, _ in outputs:
+    ran = run_together(
+        [[sys.executable, "-m", "tfdp", *flags]] * 2,
+        [environment(**step(rank, host, "2", 2, host, rank)) for rank in range(2)],
+        timeout=300,
+    )
+    assert [status for status, _, _ in ran] == [0, 0], [err[-2000:] for _, _, err in ran]
+    for _, stdout, _ in ran:
         lines = stdout.splitlines()
         assert lines[0] == "workload partition: [('worker:0', 64), ('worker:1', 192)]"
     saved = result(str(tmp_path / "slurm"))

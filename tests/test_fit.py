@@ -12,7 +12,7 @@ import sys
 import keras
 import numpy as np
 import pytest
-from helpers import ROOT, environment, latest_step, wait_for
+from helpers import ROOT, environment, latest_step, run_together, wait_for
 
 import tfdp
 from tfdp.errors import ConfigError
@@ -212,24 +212,12 @@ def test_the_typical_script_fits_as_keras_does_on_two_workers(script, keras_run,
     _, path = script
     settings = json.dumps({"mode": "multiworker"})
     outs = [str(tmp_path / f"worker{i}") for i in (0, 1)]
-    workers = [
-        subprocess.Popen(
-            [sys.executable, str(path), out, settings],
-            env=environment(TF_CONFIG=tf_config, PYTHONPATH=ROOT),
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for out, tf_config in zip(outs, tf_configs(free_ports(2)))
-    ]
-    try:
-        outputs = [w.communicate(timeout=600) for w in workers]
-    finally:
-        for w in workers:
-            w.kill()
-            w.wait()
-    assert [w.returncode for w in workers] == [0, 0], outputs
+    ran = run_together(
+        [[sys.executable, str(path), out, settings] for out in outs],
+        [environment(TF_CONFIG=c, PYTHONPATH=ROOT) for c in tf_configs(free_ports(2))],
+        cwd=tmp_path,
+    )
+    assert [status for status, _, _ in ran] == [0, 0], ran
     chief = saw(outs[0])
     assert_same_fit(chief, keras_run)
     # every worker ran the callbacks on the same logs; only the chief wrote the CSV

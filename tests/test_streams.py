@@ -411,10 +411,9 @@ def test_two_workers_stream_the_pipeline_as_keras_fit_on_one_device(
     records, keras_repeated, tmp_path
 ):
     import os
-    import subprocess
     import sys
 
-    from helpers import environment
+    from helpers import environment, run_together
 
     from tfdp.launch import free_ports, tf_configs
 
@@ -422,23 +421,11 @@ def test_two_workers_stream_the_pipeline_as_keras_fit_on_one_device(
     script.write_text(WORKER)
     here = os.path.dirname(os.path.abspath(__file__))
     outs = [str(tmp_path / f"worker{i}.npz") for i in (0, 1)]
-    workers = [
-        subprocess.Popen(
-            [sys.executable, str(script), out, *records],
-            env=environment(TF_CONFIG=tf_config, PYTHONPATH=here),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for out, tf_config in zip(outs, tf_configs(free_ports(2)))
-    ]
-    try:
-        outputs = [w.communicate(timeout=600) for w in workers]
-    finally:
-        for w in workers:
-            w.kill()
-            w.wait()
-    assert [w.returncode for w in workers] == [0, 0], [err[-3000:] for _, err in outputs]
+    ran = run_together(
+        [[sys.executable, str(script), out, *records] for out in outs],
+        [environment(TF_CONFIG=c, PYTHONPATH=here) for c in tf_configs(free_ports(2))],
+    )
+    assert [status for status, _, _ in ran] == [0, 0], [err[-3000:] for _, _, err in ran]
     keras_history, reference = keras_repeated
     for out in outs:
         saved = np.load(out)

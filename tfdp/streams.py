@@ -194,21 +194,28 @@ def from_dataset(dataset, batch_size, drop_remainder, field="x", source="tf.data
     return Stream(dataset, size, batches, examples, source, True, sample)
 
 
+def _own_batches(first, batch_size, source: str):
+    """(the first batch as numpy arrays, its batch size, the element signature) of a
+    source that makes its own batches; a `batch_size` that differs is an error."""
+    first = tf.nest.map_structure(np.asarray, tuple(first) if isinstance(first, list) else first)
+    size = _batch_size_of(first)
+    if batch_size is not None and batch_size != size:
+        raise ConfigError(
+            "batch_size", batch_size, f"disagrees with the {source}'s batches of {size}"
+        )
+    signature = tf.nest.map_structure(
+        lambda leaf: tf.TensorSpec((None, *leaf.shape[1:]), tf.as_dtype(leaf.dtype)), first
+    )
+    return first, size, signature
+
+
 def from_generator(generator, batch_size, field="x"):
     """A Stream of a Python generator of batches (read once: one pass, length unknown)."""
     try:
         first = next(generator)
     except StopIteration:
         raise ConfigError(field, "generator", "has no examples") from None
-    first = tf.nest.map_structure(np.asarray, tuple(first) if isinstance(first, list) else first)
-    size = _batch_size_of(first)
-    if batch_size is not None and batch_size != size:
-        raise ConfigError(
-            "batch_size", batch_size, f"disagrees with the generator's batches of {size}"
-        )
-    signature = tf.nest.map_structure(
-        lambda leaf: tf.TensorSpec((None, *leaf.shape[1:]), tf.as_dtype(leaf.dtype)), first
-    )
+    first, size, signature = _own_batches(first, batch_size, "generator")
 
     def batches():
         yield first
@@ -224,16 +231,7 @@ def from_py_dataset(py_dataset, batch_size, shuffle, seed, field="x"):
     count = py_dataset.num_batches
     if count == 0:
         raise ConfigError(field, "PyDataset", "has no examples")
-    first = py_dataset[0]
-    first = tf.nest.map_structure(np.asarray, tuple(first) if isinstance(first, list) else first)
-    size = _batch_size_of(first)
-    if batch_size is not None and batch_size != size:
-        raise ConfigError(
-            "batch_size", batch_size, f"disagrees with the PyDataset's batches of {size}"
-        )
-    signature = tf.nest.map_structure(
-        lambda leaf: tf.TensorSpec((None, *leaf.shape[1:]), tf.as_dtype(leaf.dtype)), first
-    )
+    first, size, signature = _own_batches(py_dataset[0], batch_size, "PyDataset")
 
     def one_pass(epoch):
         order = np.arange(count)
