@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, environment, own_stderr_lines, refusal
+from helpers import ROOT, environment, own_stderr_lines, refusal, run_together
 
 from tfdp.cluster import (
     AGREED_FIELDS,
@@ -159,26 +159,16 @@ def run_workers(*flags_per_worker, cwd, timeout=300):
     """Starts one `tfdp --mode=multiworker` per entry of `flags_per_worker` on loopback,
     each with its TF_CONFIG, and waits for all; returns (exit status, stderr lines)."""
     configs = tf_configs(free_ports(len(flags_per_worker)))
-    workers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tfdp", "--mode=multiworker", "--progress=never", *flags],
-            env=worker_environment(tf_config),
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for flags, tf_config in zip(flags_per_worker, configs)
-    ]
-    try:
-        outputs = [worker.communicate(timeout=timeout) for worker in workers]
-    finally:
-        for worker in workers:
-            worker.kill()
-            worker.wait()
+    command = [sys.executable, "-m", "tfdp", "--mode=multiworker", "--progress=never"]
+    ran = run_together(
+        [[*command, *flags] for flags in flags_per_worker],
+        [worker_environment(tf_config) for tf_config in configs],
+        cwd=cwd,
+        timeout=timeout,
+    )
     return [
-        (worker.returncode, own_stderr_lines(subprocess.CompletedProcess([], 0, out, err)))
-        for worker, (out, err) in zip(workers, outputs)
+        (status, own_stderr_lines(subprocess.CompletedProcess([], 0, out, err)))
+        for status, out, err in ran
     ]
 
 
