@@ -538,3 +538,22 @@ def test_a_pipeline_whose_randomness_is_not_saved_resumes_by_reading_again(recor
     ) in banner
     for got, expected in zip(trained.get_weights(), straight.get_weights(), strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+class Endless(Batches):
+    """The same batches, numbered on without end (num_batches None: infinite)."""
+
+    @property
+    def num_batches(self):
+        return None
+
+    def __getitem__(self, index):
+        return super().__getitem__(index % len(self))
+
+
+def test_an_infinite_py_dataset_runs_in_windows_of_steps_per_epoch():
+    reference = model()
+    keras_history = reference.fit(Endless(), epochs=2, steps_per_epoch=4, verbose=0)
+    trained = model()
+    history = tfdp.fit(trained, Endless(), epochs=2, steps_per_epoch=4, verbose=0)
+    assert_same_training(history, keras_history, trained, reference)

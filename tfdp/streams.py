@@ -16,6 +16,7 @@ stateless random ops, files in a fixed order).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import types
 
 import numpy as np
@@ -234,11 +235,14 @@ def from_py_dataset(py_dataset, batch_size, shuffle, seed, field="x"):
     first, size, signature = _own_batches(py_dataset[0], batch_size, "PyDataset")
 
     def one_pass(epoch):
-        order = np.arange(count)
-        if shuffle is True and count is not None:
+        if count is None:  # an infinite PyDataset: batch 0, 1, 2, ...
+            order = itertools.count()
+        elif shuffle is True:
             order = np.random.default_rng([seed, int(epoch)]).permutation(count)
+        else:
+            order = range(count)
         py_dataset.on_epoch_begin()
-        for index in order if count is not None else iter(int, 1):
+        for index in order:
             batch = py_dataset[int(index)]
             yield tuple(batch) if isinstance(batch, list) else batch
         py_dataset.on_epoch_end()
