@@ -203,12 +203,19 @@ class Checkpointer:
         self.directory = os.path.join(config.model_dir, "checkpoints")
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False)
         self.state = run_state()  # what the run's hooks keep over a restart
-        self.checkpoint = tf.train.Checkpoint(
-            model=trainer.model, optimizer=trainer.optimizer, step=self.step, run=self.state
-        )
+        self.checkpoint = self._checkpoint(run=self.state)
         self.restored_path = None  # the checkpoint `restore` read
         self.input = None  # a stream's iterator, saved with each checkpoint (`keep_input`)
         self.log = print
+
+    def _checkpoint(self, **more):
+        """A tf.train.Checkpoint of the trainer's model and optimizer, the step, and `more`."""
+        import tensorflow as tf
+
+        trainer = self.trainer
+        return tf.train.Checkpoint(
+            model=trainer.model, optimizer=trainer.optimizer, step=self.step, **more
+        )
 
     @functools.cached_property
     def manager(self):
@@ -338,20 +345,13 @@ class Checkpointer:
     def _without_input(self, error) -> None:
         """The stream's position cannot be saved (a generator inside it): the checkpoints
         hold the rest, and a resume reads the stream again."""
-        import tensorflow as tf
-
         reason = getattr(error, "message", str(error)).strip().splitlines()[0]
         self.log(
             f"tfdp: the input position cannot be saved ({reason.split('}} ')[-1]}); a resume "
             "reads the stream again from its start and drops the trained batches"
         )
         self.input = None
-        self.checkpoint = tf.train.Checkpoint(
-            model=self.trainer.model,
-            optimizer=self.trainer.optimizer,
-            step=self.step,
-            run=self.state,
-        )
+        self.checkpoint = self._checkpoint(run=self.state)
         self.__dict__.pop("manager", None)
 
     def _restore(self, path: str) -> None:
@@ -362,10 +362,7 @@ class Checkpointer:
         checkpoint = self.checkpoint
         names = tf.train.load_checkpoint(path).get_variable_to_shape_map()
         if not any(name.startswith("run/") for name in names):  # saved before the run state
-            trainer = self.trainer
-            checkpoint = tf.train.Checkpoint(
-                model=trainer.model, optimizer=trainer.optimizer, step=self.step
-            )
+            checkpoint = self._checkpoint()
         try:
             checkpoint.restore(path).assert_existing_objects_matched()
         except (AssertionError, ValueError) as error:  # another run's checkpoint

@@ -93,14 +93,15 @@ def fit(
         x, y, sample_weight, class_weight, validation_split, validation_data
     )
     if streams.is_stream_input(train):  # read as a pipeline, batch by batch
-        chosen = config or settings
-        get = (lambda name, default: getattr(chosen, name)) if config else chosen.get
+        given = config or Config(
+            **{name: settings[name] for name in ("drop_remainder", "seed") if name in settings}
+        )
         train = streams.from_input(
             train,
             batch_size if config is None else config.batch_size,
-            drop_remainder=get("drop_remainder", False),
+            drop_remainder=given.drop_remainder,
             shuffle=shuffle if config is None else config.shuffle,
-            seed=get("seed", 0),
+            seed=given.seed,
         )
         batch_size = train.batch_size
     if config is None:
