@@ -557,3 +557,124 @@ def test_an_infinite_py_dataset_runs_in_windows_of_steps_per_epoch():
     trained = model()
     history = tfdp.fit(trained, Endless(), epochs=2, steps_per_epoch=4, verbose=0)
     assert_same_training(history, keras_history, trained, reference)
+
+
+# --dataset=tfds:NAME, on tensorflow-datasets' own mock data: never the network.
+
+IMAGE_MODEL = """
+import keras
+
+def make_model():
+    keras.utils.set_random_seed(2)
+    m = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(), keras.layers.Dense(10)])
+    m.compile(optimizer=keras.optimizers.SGD(0.5),
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              metrics=["accuracy"])
+    return m
+"""
+
+
+@pytest.fixture
+def mock_tfds(monkeypatch):
+    """tensorflow-datasets' mock data (96 random examples a split, from the dataset's
+    features), with this process's sockets refusing to connect meanwhile."""
+    import socket
+
+    import tensorflow_datasets as tfds
+
+    def refuse(*args, **kwargs):
+        raise OSError("this test has no network")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    with tfds.testing.mock_data(num_examples=96, policy=tfds.testing.MockPolicy.USE_CODE):
+        yield tfds
+
+
+def test_a_tensorflow_datasets_dataset_by_name_trains_as_keras_fit_on_it(mock_tfds, tmp_path):
+    """tfds:mnist: the train split shuffled through a seeded buffer of 4096, images scaled
+    to [0, 1], labels int32, validation the test split: Keras fit and evaluate on that
+    pipeline, built here from tfds.load, give the weights and the test accuracy."""
+    from helpers import cli_in_process, load_weights, result
+
+    script = tmp_path / "image_model.py"
+    script.write_text(IMAGE_MODEL)
+    model_dir = tmp_path / "run"
+    tf.random.set_seed(5)  # a seeded shuffle's order follows the global seed too
+    status = cli_in_process(
+        "--dataset=tfds:mnist",
+        f"--data_dir={tmp_path / 'tfds'}",
+        f"--model={script}:make_model",
+        "--batch_size=32",
+        "--epochs=2",
+        "--mode=mirrored",
+        "--devices=cpu:0,cpu:1",
+        "--log_every=0",
+        f"--model_dir={model_dir}",
+    )
+    assert status == 0
+
+    def scaled(image, label):
+        return tf.cast(image, tf.float32) / 255.0, tf.cast(label, tf.int32)
+
+    def split(name):
+        return mock_tfds.load("mnist", split=name, as_supervised=True, shuffle_files=False)
+
+    tf.random.set_seed(5)
+    train = split("train").shuffle(4096, seed=0).map(scaled).batch(32)
+    spec = {"__name__": "image_model"}
+    exec(IMAGE_MODEL, spec)  # noqa: S102  (the same model function, built here)
+    reference = spec["make_model"]()
+    reference.fit(train.repeat(), epochs=2, steps_per_epoch=3, verbose=0)
+    for got, expected in zip(load_weights(model_dir), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    _, accuracy = reference.evaluate(split("test").map(scaled).batch(32), verbose=0)
+    assert result(model_dir)["test_metrics"]["accuracy"] == pytest.approx(accuracy, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("tfds:no_such_dataset", "tensorflow-datasets has no dataset no_such_dataset"),
+        ("tfds:", "names no dataset: tfds:NAME, e.g. tfds:mnist"),
+        ("tfds:coco_captions", "has no supervised keys (input, target) to train on"),
+    ],
+)
+def test_a_tensorflow_datasets_name_that_cannot_be_trained_on_is_one_line(
+    name, words, mock_tfds, tmp_path
+):
+    from helpers import refusal
+
+    error, line = refusal(f"--dataset={name}", f"--data_dir={tmp_path}")
+    assert (error.field, error.value) == ("dataset", name)
+    assert words in line
+
+
+def test_a_tensorflow_datasets_dataset_keeps_features_that_are_not_images(mock_tfds):
+    from tfdp.sources import load_tfds
+
+    train, validation = load_tfds("tfds:iris", shuffle=False)
+    own = mock_tfds.load("iris", split="train", as_supervised=True, shuffle_files=False)
+    (x, y), (own_x, own_y) = next(iter(train.batch(96))), next(iter(own.batch(96)))
+    assert x.dtype == tf.float32 and y.dtype == tf.int32
+    np.testing.assert_array_equal(x.numpy(), own_x.numpy())  # not scaled: not an image
+    np.testing.assert_array_equal(y.numpy(), own_y.numpy())
+    assert validation is not None  # mock data has every split; iris itself has only train
+
+
+def test_a_tensorflow_datasets_download_that_fails_names_data_dir(tmp_path, monkeypatch):
+    import tensorflow_datasets as tfds
+
+    from tfdp.sources import load_tfds
+
+    def download_fails(*args, **kwargs):
+        raise ConnectionError("simulated: no route to the download server")
+
+    monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", download_fails)
+    with pytest.raises(ConfigError) as refused:
+        load_tfds("tfds:mnist", data_dir=str(tmp_path))
+    assert (refused.value.field, refused.value.value) == ("data_dir", str(tmp_path))
+    assert refused.value.reason == (
+        "mnist through tensorflow-datasets failed "
+        "(ConnectionError: simulated: no route to the download server)"
+    )

@@ -61,7 +61,10 @@ class Config:
         "clusters), or MODULE:FUNCTION returning (train, validation): numpy arrays such as "
         "(x, y) or (x, y, sample_weight), or a tf.data.Dataset of such elements (batched or "
         "not; train is streamed), a keras.utils.PyDataset or a generator (train only); "
-        "validation may be None. Default: the model's own (lenet: mnist, toy: toy, others: mnist).",
+        "validation may be None; or tfds:NAME, a tensorflow-datasets dataset (its supervised "
+        "keys; images scaled to [0, 1]; train streamed, shuffled by a seeded buffer of 4096; "
+        "validation its test split, else validation). Default: the model's own (lenet: mnist, "
+        "toy: toy, others: mnist).",
     )
     devices: str = setting(
         "",
@@ -229,9 +232,12 @@ def validate(config: Config) -> None:
     for field, names in (("model", MODELS), ("dataset", DATASETS)):
         value = getattr(config, field)
         if value not in names and not (isinstance(value, str) and ":" in value):
-            raise ConfigError(
-                field, value, f"must be one of {', '.join(names)}, or MODULE:FUNCTION"
+            also = (
+                ", MODULE:FUNCTION or tfds:NAME" if field == "dataset" else ", or MODULE:FUNCTION"
             )
+            raise ConfigError(field, value, f"must be one of {', '.join(names)}{also}")
+    if isinstance(config.dataset, str) and config.dataset.strip() == "tfds:":
+        raise ConfigError("dataset", config.dataset, "names no dataset: tfds:NAME, e.g. tfds:mnist")
     _choice(config, "init", INITS)
     _choice(config, "all_reduce", ALL_REDUCES)
     _choice(config, "mirrored_input", MIRRORED_INPUTS)

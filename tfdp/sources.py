@@ -120,3 +120,79 @@ def _read_dataset(dataset, field, value, where):
     if not elements:
         raise ConfigError(field, value or "tf.data.Dataset", "has no examples")
     return tf.nest.map_structure(lambda *leaves: np.stack(leaves), *elements)
+
+
+TFDS_PREFIX = "tfds:"
+TFDS_SHUFFLE_BUFFER = 4096  # examples; the buffer is saved with each checkpoint
+
+
+def is_tfds(text) -> bool:
+    """Whether `text` names a tensorflow-datasets dataset: tfds:NAME."""
+    return isinstance(text, str) and text.startswith(TFDS_PREFIX)
+
+
+def load_tfds(text: str, data_dir=None, shuffle=True, seed=0):
+    """(train, validation) of the tensorflow-datasets dataset `text` (tfds:NAME, with
+    NAME as `tfds.load` takes it: mnist, cifar10, imagenette/160px:1.0.0, ...).
+
+    Both are unbatched tf.data pipelines of (input, target): the dataset's supervised
+    keys. Image features become float32 in [0, 1]; integer targets (class labels)
+    int32; every other feature as tensorflow-datasets gives it. train is the "train"
+    split, read in its files' order and, with `shuffle`, through a seeded buffer of
+    TFDS_SHUFFLE_BUFFER examples; validation is "test", else "validation", else None.
+    Files already under `data_dir` are read as they are; missing ones are downloaded.
+    """
+    import tensorflow as tf
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  # slow import
+
+    name = text[len(TFDS_PREFIX) :]
+    try:
+        builder = tfds.builder(name, data_dir=data_dir)
+    except tfds.core.registered.DatasetNotFoundError:
+        raise ConfigError(
+            "dataset", text, f"tensorflow-datasets has no dataset {name} (see tfds.list_builders())"
+        ) from None
+    except Exception as error:  # a bad config or version: tfds raises several kinds
+        raise ConfigError("dataset", text, f"{type(error).__name__}: {error}") from None
+    keys = builder.info.supervised_keys
+    if not keys or len(keys) != 2:
+        raise ConfigError(
+            "dataset",
+            text,
+            f"has no supervised keys (input, target) to train on (its features: "
+            f"{', '.join(builder.info.features)}); pick them with --dataset=MODULE:FUNCTION",
+        )
+    try:
+        builder.download_and_prepare()
+    except Exception as error:  # tensorflow-datasets raises many kinds on download or read
+        raise ConfigError(
+            "data_dir",
+            data_dir,
+            f"{name} through tensorflow-datasets failed ({type(error).__name__}: {error})",
+        ) from None
+    features = tf.nest.map_structure(lambda key: builder.info.features[key], tuple(keys))
+
+    def scaled(feature, tensor):
+        if isinstance(feature, tfds.features.Image):
+            return tf.cast(tensor, tf.float32) / 255.0
+        if isinstance(feature, tfds.features.ClassLabel):
+            return tf.cast(tensor, tf.int32)
+        return tensor
+
+    def split(split_name):
+        return builder.as_dataset(split=split_name, as_supervised=True, shuffle_files=False)
+
+    train = split("train")
+    if shuffle:
+        train = train.shuffle(TFDS_SHUFFLE_BUFFER, seed=seed)
+    known = list(builder.info.splits)  # empty under tensorflow-datasets' mock data
+    validation_name = next((s for s in ("test", "validation") if s in known or not known), None)
+    validation = split(validation_name) if validation_name else None
+
+    def scale(*element):
+        return tf.nest.map_structure(scaled, features, element)
+
+    return (
+        train.map(scale, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True),
+        validation.map(scale) if validation is not None else None,
+    )

@@ -239,13 +239,18 @@ def load_data(config: Config):
     """(train, test) of the config's dataset: a built-in one, or MODULE:FUNCTION's."""
     if config.dataset in DATASETS:
         return load_split(config, "train"), load_split(config, "test")
-    function = sources.load_function(config.dataset, "dataset")
-    returned = sources.call(function, config.dataset, "dataset")
-    if not (isinstance(returned, (tuple, list)) and len(returned) == 2):
-        raise ConfigError(
-            "dataset", config.dataset, "must return (train, validation); validation may be None"
+    if sources.is_tfds(config.dataset):
+        train, test = sources.load_tfds(
+            config.dataset, config.data_dir, config.shuffle is not False, config.seed
         )
-    train, test = returned
+    else:
+        function = sources.load_function(config.dataset, "dataset")
+        returned = sources.call(function, config.dataset, "dataset")
+        if not (isinstance(returned, (tuple, list)) and len(returned) == 2):
+            raise ConfigError(
+                "dataset", config.dataset, "must return (train, validation); validation may be None"
+            )
+        train, test = returned
     if streams.is_stream_input(train):  # read as a pipeline, batch by batch
         try:
             train = streams.from_input(
