@@ -239,6 +239,63 @@ def test_a_generator_that_raises_names_the_step():
     )
 
 
+class Changing(Batches):
+    """Batches whose batch 5 has a third part (sample weights), unlike the others."""
+
+    def __getitem__(self, index):
+        x, y = super().__getitem__(index)
+        return (x, y, np.ones(len(y), np.float32)) if index == 5 else (x, y)
+
+
+def changing_generator(change):
+    for step, (x, y) in enumerate(generator()):
+        yield change(x, y) if step == 5 else (x, y)
+
+
+@pytest.mark.parametrize(
+    "make, source, described",
+    [
+        (Changing, "PyDataset", "(float32[32, 8], int64[32], float32[32])"),
+        (
+            lambda: changing_generator(lambda x, y: (x[:, :5], y)),
+            "generator",
+            "(float32[32, 5], int64[32])",
+        ),
+        (
+            lambda: changing_generator(lambda x, y: (np.tile(x, (2, 1)), np.tile(y, 2))),
+            "generator",
+            "(float32[64, 8], int64[64]): more examples than the first batch's 32",
+        ),
+    ],
+)
+def test_a_batch_unlike_the_first_is_named_and_the_checkpoint_stands(
+    make, source, described, tmp_path
+):
+    """A source that makes its own batches and changes them later (another structure,
+    shape, or more examples than a batch) stops before training on that batch."""
+    model_dir = tmp_path / "run"
+    with pytest.raises(DataError) as failed:
+        tfdp.fit(
+            model(),
+            make(),
+            epochs=2,
+            steps_per_epoch=4,
+            verbose=0,
+            shuffle=False,
+            model_dir=str(model_dir),
+            checkpoint_every=2,
+        )
+    assert str(failed.value) == (
+        f"the training data ({source}) failed (ValueError: its batch 5 is {described}"
+        + (
+            ""
+            if "more examples" in described
+            else ", where its first was (float32[32, 8], int64[32])"
+        )
+        + f") at step 5; {model_dir / 'checkpoints' / 'ckpt-4'} stands: run again to resume from it"
+    )
+
+
 @pytest.mark.parametrize(
     "data, settings, named, words",
     [

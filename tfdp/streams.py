@@ -210,6 +210,45 @@ def _own_batches(first, batch_size, source: str):
     return first, size, signature
 
 
+def _described(batch) -> str:
+    """A batch's structure, shapes and dtypes, e.g. (float32[32, 8], int64[32])."""
+    leaves = tf.nest.map_structure(lambda leaf: f"{leaf.dtype}{list(leaf.shape)}", batch)
+    return str(leaves).replace("'", "")
+
+
+def checked(numbered, first, batch_size: int):
+    """The batches of a source that makes its own (a generator, a PyDataset) as numpy
+    structures, each checked against the first: the same structure and shapes after the
+    batch axis, at most `batch_size` examples, as many in every part. numbered: pairs
+    (the batch's number in the source, the batch). A batch that differs is a ValueError
+    naming it, raised before it is trained on."""
+    expected = tf.nest.map_structure(lambda leaf: leaf.shape[1:], first)
+    for index, batch in numbered:
+        batch = tf.nest.map_structure(
+            np.asarray, tuple(batch) if isinstance(batch, list) else batch
+        )
+        try:
+            tf.nest.assert_same_structure(first, batch, check_types=False)
+            shapes = tf.nest.map_structure(lambda leaf: leaf.shape[1:], batch)
+        except (TypeError, ValueError):
+            shapes = None
+        if shapes != expected:
+            raise ValueError(
+                f"its batch {index} is {_described(batch)}, where its first was {_described(first)}"
+            )
+        lengths = {len(leaf) for leaf in tf.nest.flatten(batch)}
+        if len(lengths) > 1 or max(lengths) > batch_size:
+            raise ValueError(
+                f"its batch {index} is {_described(batch)}: "
+                + (
+                    "its parts differ in length"
+                    if len(lengths) > 1
+                    else f"more examples than the first batch's {batch_size}"
+                )
+            )
+        yield batch
+
+
 def from_generator(generator, batch_size, field="x"):
     """A Stream of a Python generator of batches (read once: one pass, length unknown)."""
     try:
@@ -220,7 +259,7 @@ def from_generator(generator, batch_size, field="x"):
 
     def batches():
         yield first
-        yield from generator
+        yield from checked(enumerate(generator, 1), first, size)
 
     dataset = tf.data.Dataset.from_generator(batches, output_signature=signature)
     return Stream(dataset, size, None, None, "generator", False, first)
@@ -242,9 +281,7 @@ def from_py_dataset(py_dataset, batch_size, shuffle, seed, field="x"):
         else:
             order = range(count)
         py_dataset.on_epoch_begin()
-        for index in order:
-            batch = py_dataset[int(index)]
-            yield tuple(batch) if isinstance(batch, list) else batch
+        yield from checked(((i, py_dataset[int(i)]) for i in order), first, size)
         py_dataset.on_epoch_end()
 
     if count is None:  # infinite: one endless pass
