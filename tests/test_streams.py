@@ -549,6 +549,50 @@ def test_a_position_that_cannot_be_saved_is_said_and_the_resume_reads_again(reco
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
+class Counted(Batches):
+    """Batches that count the batches read."""
+
+    reads = 0
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_py_dataset_resumes_by_index_reading_no_trained_batch(shuffle, tmp_path):
+    """Stopped at step 10 (pass 2, batch 3) in single, resumed in weighted [1, 3]: the
+    resumed run reads its 11 batches, its first (to build the model) and 2 ahead, not
+    the 10 trained; the weights are Keras fit's (in order) or the unbroken run's
+    (shuffled: tfdp's own order, a function of the seed and the pass)."""
+    if shuffle:
+        reference = model()
+        tfdp.fit(reference, Batches(), epochs=3, verbose=0)
+    else:
+        reference = model()
+        reference.fit(Batches(), epochs=3, shuffle=False, verbose=0)
+    model_dir = str(tmp_path / "run")
+    tfdp.fit(model(), Batches(), iterations=10, shuffle=shuffle, verbose=0, model_dir=model_dir)
+    lines, trained, resumed = [], model(), Counted()
+    tfdp.fit(
+        trained,
+        resumed,
+        epochs=3,
+        shuffle=shuffle,
+        verbose=0,
+        log=lines.append,
+        model_dir=model_dir,
+        mode="weighted",
+        devices="cpu:0,cpu:1",
+        powers=(1, 3),
+    )
+    banner = next(line for line in lines if line.startswith("global batch"))
+    assert "the PyDataset read on by index from step 10's batch" in banner
+    assert 1 + 11 <= resumed.reads <= 1 + 11 + 2
+    for got, expected in zip(trained.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_a_resume_with_another_pipeline_is_refused(records, tmp_path):
     model_dir = str(tmp_path / "run")
     tfdp.fit(model(), pipeline(records), iterations=10, verbose=0, model_dir=model_dir)

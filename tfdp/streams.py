@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import types
+from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -51,6 +52,8 @@ class Stream:
             time the devices on: the first batch of a generator or PyDataset, zeros
             of a tf.data pipeline's element spec (reading a batch ahead would start
             an iteration of the pipeline, and move its seeded shuffles on by one).
+        starting_at: for a source read by index (a PyDataset), the stream from a
+            step on, the batches before it not read; None: read from the start.
     """
 
     dataset: tf.data.Dataset
@@ -60,6 +63,7 @@ class Stream:
     source: str
     one_pass: bool
     sample: object
+    starting_at: Callable[[int], tf.data.Dataset] | None = None
 
     @property
     def last_batch(self) -> int:
@@ -76,6 +80,8 @@ class Stream:
     def training_batches(self, start_step: int = 0) -> tf.data.Dataset:
         """The global batches of steps start_step, start_step + 1, ...: pass after pass,
         each a new run of the pipeline."""
+        if start_step and self.starting_at is not None:
+            return self.starting_at(start_step).prefetch(PREFETCH_BATCHES)
         stream = self.dataset
         if self.one_pass and self.batches is not None:
             stream = stream.repeat()
@@ -267,29 +273,39 @@ def from_generator(generator, batch_size, field="x"):
 
 def from_py_dataset(py_dataset, batch_size, shuffle, seed, field="x"):
     """A Stream of a keras.utils.PyDataset: batch i of a pass is `py_dataset[i]`, in
-    order (shuffle False) or in an order that is a function of (seed, pass)."""
+    order (shuffle False) or in an order that is a function of (seed, pass), so that a
+    resumed run reads from the step it resumes at by index."""
     count = py_dataset.num_batches
     if count == 0:
         raise ConfigError(field, "PyDataset", "has no examples")
     first, size, signature = _own_batches(py_dataset[0], batch_size, "PyDataset")
 
-    def one_pass(epoch):
+    def one_pass(epoch, begin):
+        """Pass `epoch` from its batch `begin` on."""
         if count is None:  # an infinite PyDataset: batch 0, 1, 2, ...
-            order = itertools.count()
+            order = itertools.count(int(begin))
         elif shuffle is True:
-            order = np.random.default_rng([seed, int(epoch)]).permutation(count)
+            order = np.random.default_rng([seed, int(epoch)]).permutation(count)[int(begin) :]
         else:
-            order = range(count)
+            order = range(int(begin), count)
         py_dataset.on_epoch_begin()
         yield from checked(((i, py_dataset[int(i)]) for i in order), first, size)
         py_dataset.on_epoch_end()
 
-    if count is None:  # infinite: one endless pass
-        dataset = tf.data.Dataset.from_generator(lambda: one_pass(0), output_signature=signature)
-    else:  # pass after pass, each in its own order
-        dataset = tf.data.Dataset.counter().flat_map(
+    def starting_at(step: int) -> tf.data.Dataset:
+        if count is None:  # infinite: one endless pass
+            return tf.data.Dataset.from_generator(
+                one_pass, args=(0, step), output_signature=signature
+            )
+        first_pass, begin = divmod(step, count)  # pass after pass, each in its own order
+        return tf.data.Dataset.counter(first_pass).flat_map(
             lambda epoch: tf.data.Dataset.from_generator(
-                one_pass, args=(epoch,), output_signature=signature
+                one_pass,
+                args=(epoch, tf.where(epoch == first_pass, tf.cast(begin, epoch.dtype), 0)),
+                output_signature=signature,
             )
         )
-    return Stream(dataset, size, count, None, "PyDataset", False, first)
+
+    return Stream(
+        starting_at(0), size, count, None, "PyDataset", False, first, starting_at=starting_at
+    )

@@ -434,8 +434,9 @@ def stream_iterator(plan: Plan, trainer, checkpointer, start_step: int):
 
     A tf.data pipeline read by a host iterator has its position saved with every
     checkpoint, and a resume restores it there (with its shuffle buffers): no batch
-    is read again. Else, or from a checkpoint without it, the stream is read again
-    from its start and the trained batches are dropped.
+    is read again. A PyDataset is read on by index from the step's batch. Else, or from
+    a checkpoint without a position, the stream is read again from its start and the
+    trained batches are dropped.
     """
     stream = plan.train_data
     unsaved = streams.unsaved_state(stream.dataset) if stream.one_pass else None
@@ -448,7 +449,9 @@ def stream_iterator(plan: Plan, trainer, checkpointer, start_step: int):
         note = f"the {stream.source} at the position saved with the checkpoint"
     else:
         iterator = trainer.distribute(plan.training_batches(start_step))
-        if start_step:
+        if start_step and stream.starting_at is not None:
+            note = f"the {stream.source} read on by index from step {start_step}'s batch"
+        elif start_step:
             note = (
                 f"the {stream.source} is read again from its start and its first "
                 f"{start_step} batches dropped"
