@@ -779,3 +779,72 @@ def test_a_tensorflow_datasets_download_that_fails_names_data_dir(tmp_path, monk
         "mnist through tensorflow-datasets failed "
         "(ConnectionError: simulated: no route to the download server)"
     )
+
+
+# SIGKILL mid-epoch: real training processes, killed.
+
+KILLED_SCRIPT = """
+import time
+
+import test_streams as t
+
+
+class Slowly(list):
+    def append(self, read):  # each record read takes a millisecond: a step takes 32
+        time.sleep(0.001)
+
+
+def make_model():
+    return t.model()
+
+
+def data():
+    return t.pipeline({paths!r}, reads=Slowly()), None
+"""
+KILLED_EPOCHS = 8  # passes of 7 steps: 56 steps, far from trained to the end
+
+
+@pytest.mark.slow
+def test_a_stream_killed_mid_epoch_twice_resumes_exactly_across_modes(records, tmp_path):
+    """Run in single, SIGKILLed after its checkpoint at step 10 or later; resumed in
+    mirrored 2 (another process), SIGKILLed again 10 or more steps on; resumed in
+    weighted [1, 3] to the end: the weights of Keras fit's unbroken run on the pipeline."""
+    import os
+
+    from helpers import cli_in_process, environment, kill_when, latest_step, load_weights
+    from helpers import tfdp as command
+
+    script = tmp_path / "pipeline.py"
+    script.write_text(KILLED_SCRIPT.format(paths=records))
+    model_dir = str(tmp_path / "run")
+    flags = [
+        f"--model={script}:make_model",
+        f"--dataset={script}:data",
+        "--batch_size=32",
+        f"--epochs={KILLED_EPOCHS}",
+        "--checkpoint_every=2",
+        "--log_every=0",
+        f"--model_dir={model_dir}",
+    ]
+    tests = os.path.dirname(os.path.abspath(__file__))  # the script imports this module
+    stops = []
+    for mode in ("--mode=single", "--mode=mirrored"):
+        start = latest_step(model_dir) or 0
+        killed = command(
+            *flags, mode, "--logical_cpus=2", wait=False, env=environment(PYTHONPATH=tests)
+        )
+        kill_when(killed, lambda start=start: (latest_step(model_dir) or 0) >= start + 10)
+        stops.append(latest_step(model_dir))
+    assert 10 <= stops[0] <= stops[1] - 10 and stops[1] < 7 * KILLED_EPOCHS
+    assert any(step % 7 for step in stops)  # mid-epoch, at least once
+
+    # A seeded shuffle's order follows TensorFlow's global seed too, which a fresh
+    # process has unset when it makes the pipeline (model() sets it).
+    tf.random.set_seed(None)
+    status = cli_in_process(*flags, "--mode=weighted", "--devices=cpu:0,cpu:1", "--powers=1,3")
+    assert status == 0
+    reference = model()
+    tf.random.set_seed(None)
+    reference.fit(pipeline(records).repeat(), epochs=KILLED_EPOCHS, steps_per_epoch=7, verbose=0)
+    for got, expected in zip(load_weights(model_dir), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
