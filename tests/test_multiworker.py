@@ -267,10 +267,25 @@ config = Config(mode="multiworker", model="toy", batch_size=8)
 workers = list(read_cluster().workers)
 join_cluster(config)
 trainer = build_trainer(config, workers, [8])
-iterator = trainer.distribute(data.train_dataset(data.make_toy_data(0, num_examples=50), 8, 1))
+arrays = data.make_toy_data(0, num_examples=50)
+iterator = trainer.distribute(data.train_dataset(arrays, 8, 1))
 loss = float(trainer.train_step(iterator)["loss"])
 dataset = iterator._dataset
-print(json.dumps({"iterator": type(iterator).__name__, "autotune": dataset.options().autotune.enabled}))
+read = {"iterator": type(iterator).__name__, "autotune": dataset.options().autotune.enabled}
+# arrays: the iterator gives example indices; the step gathers the worker's slice of them
+import numpy as np, tensorflow as tf
+gathered, gather = [], data.gatherer(arrays)
+def count(indices):
+    gathered.append(len(indices))
+    return np.int64(0)
+def counted(indices):
+    tf.numpy_function(count, [indices], tf.int64)
+    return gather(indices)
+iterator = trainer.distribute_indices(data.train_indices(arrays, 8, 1), counted)
+read["first"] = next(iter(iterator._dataset)).numpy().tolist()
+loss = float(trainer.train_step(iterator)["loss"])
+read["gathered"] = gathered
+print(json.dumps(read))
 """
 
 
@@ -289,7 +304,9 @@ def test_a_worker_reads_its_batches_with_a_plain_iterator_without_autotuning():
     )
     assert process.returncode == 0, process.stderr[-3000:]
     read = json.loads(process.stdout.strip().splitlines()[-1])
-    assert read == {"iterator": "OwnedIterator", "autotune": False}
+    first = read.pop("first")  # example indices of the shuffled toy data
+    assert len(set(first)) == 8 and all(0 <= i < 50 for i in first)
+    assert read == {"iterator": "OwnedIterator", "autotune": False, "gathered": [8]}
 
 
 EXAMPLE = {"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}}

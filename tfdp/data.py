@@ -321,8 +321,9 @@ def steps_per_epoch(num_examples: int, batch_size: int, drop_remainder: bool = F
     return -(-num_examples // batch_size)
 
 
-def train_dataset(arrays, batch_size, seed, start_step=0, drop_remainder=False, shuffle=True):
-    """Builds the infinite, deterministic stream of global training batches.
+def train_indices(arrays, batch_size, seed, start_step=0, drop_remainder=False, shuffle=True):
+    """Builds the infinite, deterministic stream of global training batches, as the
+    indices of their examples (`gatherer` makes the batches of them).
 
     Pass e over the data visits the examples in the order
     `tf.random.experimental.stateless_shuffle(tf.range(N), seed=[seed, e])` (with
@@ -343,9 +344,8 @@ def train_dataset(arrays, batch_size, seed, start_step=0, drop_remainder=False, 
         shuffle: True, False, or "batch" (Keras `fit`'s meanings).
 
     Returns:
-        A dataset of batches: (x float32 (batch_size, ...), y int32 (batch_size,)) for
-        Arrays, batches of the same structure as `arrays` otherwise. The batch
-        dimension is static unless partial batches occur.
+        A dataset of int32 index batches (batch_size,): the static batch size unless
+        partial batches occur.
 
     Raises:
         ConfigError: `batch_size` outside 1..N, or negative `start_step`.
@@ -358,8 +358,6 @@ def train_dataset(arrays, batch_size, seed, start_step=0, drop_remainder=False, 
     full, partial = divmod(num_examples, batch_size)
     partial = 0 if drop_remainder else partial
     epoch_steps = full + (partial > 0)
-    tensors = _to_tensors(arrays)
-    prepare = _model_inputs(arrays)
 
     def epoch_batches(epoch):
         # One order per pass over the data, cut into the index batches of its steps.
@@ -381,19 +379,35 @@ def train_dataset(arrays, batch_size, seed, start_step=0, drop_remainder=False, 
             )
         return batches
 
-    def gather(indices):
-        batch = tf.nest.map_structure(lambda t: tf.gather(t, indices), tensors)
-        return prepare(*batch) if isinstance(batch, tuple) else batch
-
     start_epoch, start_offset = divmod(start_step, epoch_steps)
     return (
         tf.data.Dataset.counter(start_epoch)
         .flat_map(epoch_batches)
         .skip(start_offset)  # skips index batches only: no gathers for the skipped steps
-        .map(gather)
-        .prefetch(PREFETCH_BATCHES)
-        .with_options(_without_autotune())
     )
+
+
+def gatherer(arrays):
+    """The function from an index batch of `train_indices` to the batch of those
+    examples of `arrays`, as the model reads it; it reads only the examples named."""
+    tensors, prepare = _to_tensors(arrays), _model_inputs(arrays)
+
+    def gather(indices):
+        batch = tf.nest.map_structure(lambda t: tf.gather(t, indices), tensors)
+        return prepare(*batch) if isinstance(batch, tuple) else batch
+
+    return gather
+
+
+def train_dataset(arrays, batch_size, seed, start_step=0, drop_remainder=False, shuffle=True):
+    """The stream of global training batches: `train_indices`' batches, gathered."""
+    indices = train_indices(arrays, batch_size, seed, start_step, drop_remainder, shuffle)
+    return prefetched(indices.map(gatherer(arrays)))
+
+
+def prefetched(dataset):
+    """`dataset` made PREFETCH_BATCHES ahead of the step, at a fixed depth."""
+    return dataset.prefetch(PREFETCH_BATCHES).with_options(_without_autotune())
 
 
 def eval_batches(arrays, batch_size):

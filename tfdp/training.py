@@ -107,6 +107,18 @@ class Plan:
             config.shuffle,
         )
 
+    def training_indices(self, start_step: int):
+        """Arrays: the example indices of the global batches of steps start_step, ..."""
+        config = self.config
+        return data_lib.train_indices(
+            self.train_data,
+            config.batch_size,
+            config.seed,
+            start_step,
+            config.drop_remainder,
+            config.shuffle,
+        )
+
     def without_test_data(self) -> Plan:
         return dataclasses.replace(self, test_data=None)
 
@@ -549,8 +561,10 @@ def run(
             state.iterator, state.input_note = stream_iterator(
                 plan, trainer, checkpointer, start_step
             )
-        else:
-            state.iterator = trainer.distribute(plan.training_batches(start_step))
+        else:  # arrays: batches of example indices, gathered by the trainer
+            state.iterator = trainer.distribute_indices(
+                plan.training_indices(start_step), data_lib.gatherer(plan.train_data)
+            )
         summaries = Summaries(config.model_dir) if config.model_dir and trainer.is_chief else None
         guard = FiniteGuard(checkpointer)
         checkpoints = Checkpoints(checkpointer, guard) if checkpointer else None

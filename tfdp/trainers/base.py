@@ -47,6 +47,14 @@ class Trainer:
         """The iterator `train_step` reads, from a dataset of global batches."""
         raise NotImplementedError
 
+    def distribute_indices(self, indices, gather):
+        """The iterator `train_step` reads, from a dataset of global batches of example
+        indices into arrays, and `gather` (indices -> their batch). Trainers that read a
+        whole global batch gather it here; multiworker gathers only its worker's slice."""
+        from tfdp.data import prefetched
+
+        return self.distribute(prefetched(indices.map(gather)))
+
     def train_step(self, iterator) -> dict:
         """One update on the next global batch. Returns tensors: `loss` (the global
         batch's), `batch` (or `batches`, per shard), `predictions` (per shard) and,

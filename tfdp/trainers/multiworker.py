@@ -95,6 +95,7 @@ class MultiWorkerTrainer(Trainer):
         self._train_step = tf.function(self._step)
         self._predict_step = tf.function(self._predict, reduce_retracing=True)
         self._all_gather = tf.function(self._gather_slices, reduce_retracing=True)
+        self._gather = None  # arrays: indices -> their examples (`distribute_indices`)
         self.config = config
         self.exchange.agree([*settings_to_agree(config), initial_weights(config, spec.weights)])
 
@@ -109,7 +110,17 @@ class MultiWorkerTrainer(Trainer):
         at the end of a run could wait over a second for its background thread
         (BUILD_NOTES, "How shares are fed").
         """
+        self._gather = None
         return iter(dataset)
+
+    def distribute_indices(self, indices, gather):
+        """Arrays: the iterator of every global batch's example indices; the step gathers
+        only this worker's slice of them (`gather`), so a worker reads its share of each
+        batch's examples, not the whole batch."""
+        from tfdp.data import prefetched
+
+        self._gather = gather
+        return iter(prefetched(indices))
 
     @property
     def worker_batch(self) -> int:
@@ -126,7 +137,7 @@ class MultiWorkerTrainer(Trainer):
     def _step(self, iterator):
         from tfdp.objective import num_examples
 
-        batch = next(iterator)
+        batch = next(iterator)  # a global batch, or its example indices (arrays)
         examples = num_examples(batch)  # the global batch, or an epoch's partial last one
         shards = self._own_shards(batch, examples)
         summed, predictions, shard = self.strategy.run(self._replica_step, args=(shards, examples))
@@ -152,6 +163,8 @@ class MultiWorkerTrainer(Trainer):
         sizes = shard_sizes_for(examples, self.global_batch_size, self.shard_sizes)
         begin, size = tf.reduce_sum(sizes[: self.index]), sizes[self.index]
         own = tf.nest.map_structure(lambda t: t[begin : begin + size], batch)
+        if self._gather is not None:  # indices: read this worker's examples only
+            own = self._gather(own)
         replicas = self.local_replicas
         pieces = [own] if replicas == 1 else cut(own, replicas)
         return self.strategy.experimental_distribute_values_from_function(
