@@ -460,3 +460,201 @@ def test_multiworker_rows_per_thread_count():
         ("tfdp multiworker x2", 2, 0),
         ("tfdp multiworker x2 (1 thread per kernel)", 2, 1),
     ]
+
+
+def test_the_streaming_rows_can_each_be_named_by_only():
+    from tfdp.bench import streaming
+
+    specs = streaming.configurations()
+    assert [(s.name, s.system, s.mode, s.devices, s.source) for s in specs] == [
+        ("keras fit", "keras", "fit", 1, "stream"),
+        ("tfdp single", "tfdp", "single", 1, "stream"),
+        ("tfdp single in memory", "tfdp", "single", 1, "arrays"),
+        ("keras fit mirrored x2", "keras", "fit", 2, "stream"),
+        ("tfdp mirrored x2", "tfdp", "mirrored", 2, "stream"),
+        ("tfdp weighted x2", "tfdp", "weighted", 2, "stream"),
+    ]
+    assert [s.powers for s in specs if s.mode == "weighted"] == [(1.0, 1.0)]
+    assert all("," not in s.name for s in specs)  # --only is a comma list
+    # every row runs oneDNN's kernels, as tfdp does: the Keras rows too
+    assert {s.onednn for s in specs} == {"tfdp"}
+
+
+def test_the_streaming_table_is_the_arithmetic_of_the_measurements():
+    """`streaming.summarize` on made-up measurements: medians over the rounds, each ratio
+    the division of two medians, the input share the median of each measurement's."""
+    from tfdp.bench import streaming
+
+    specs = streaming.configurations()
+    measurements = {
+        spec.name: [
+            {
+                "images_per_second": 100.0 * (k + 1) + 7 * r,
+                "step_seconds": 0.1 * (k + 1) + 0.01 * r,
+                "input_images_per_second": 5000.0 + 100 * k + r,
+                "input_share": 0.01 * (k + 1) + 0.001 * r * r,
+                "cores_used": 1.5 + 0.1 * r,
+                "others_cores_used": 0.2 * r,
+                "steal_fraction": 0.01 * r,
+                "device_list": ["CPU:0"] if spec.devices == 1 else ["CPU:0", "CPU:1"],
+                "onednn": True,
+            }
+            for r in (2, 0, 1)  # the rounds out of order: the median is not the first
+        ]
+        for k, spec in enumerate(specs)
+    }
+    median = {
+        name: sorted(m["images_per_second"] for m in runs)[1] for name, runs in measurements.items()
+    }
+    rows = {row["configuration"]: row for row in streaming.summarize(specs, measurements)}
+    assert list(rows) == [s.name for s in specs]
+    keras_of = {
+        "keras fit": "keras fit",
+        "tfdp single": "keras fit",
+        "tfdp single in memory": None,  # another input than Keras': no ratio
+        "keras fit mirrored x2": "keras fit mirrored x2",
+        "tfdp mirrored x2": "keras fit mirrored x2",
+        "tfdp weighted x2": "keras fit mirrored x2",
+    }
+    for name, row in rows.items():
+        assert row["images_per_second"] == median[name]
+        assert row["keras_same_devices"] == keras_of[name]
+        if keras_of[name] is None:
+            assert row["vs_keras_same_devices"] is None
+        else:
+            assert row["vs_keras_same_devices"] == pytest.approx(
+                median[name] / median[keras_of[name]]
+            )
+        shares = [m["input_share"] for m in measurements[name]]
+        assert row["input_share"] == sorted(shares)[1]
+        assert row["input_share_per_round"] == shares
+        assert row["cores_used"] == pytest.approx(1.6)
+        assert row["others_cores_used"] == pytest.approx(0.2)
+        assert row["steal_fraction_max"] == pytest.approx(0.02)
+    assert rows["tfdp single"]["vs_in_memory"] == pytest.approx(
+        median["tfdp single"] / median["tfdp single in memory"]
+    )
+    assert rows["tfdp single"]["in_memory"] == "tfdp single in memory"
+    assert [name for name, row in rows.items() if row["vs_in_memory"] is not None] == [
+        "tfdp single"
+    ]
+    table = streaming.format_table(list(rows.values()))
+    single = rows["tfdp single"]
+    assert (
+        f"| tfdp single | 1 | {single['images_per_second']:.0f} "
+        f"({single['images_per_second_min']:.0f}-{single['images_per_second_max']:.0f}) "
+        f"| {single['vs_keras_same_devices']:.2f} | {single['vs_in_memory']:.2f} "
+        f"| {single['input_images_per_second']:.0f} | {single['input_share']:.1%} | 1.60 (0.20) |"
+    ) in table
+    assert "| tfdp single in memory | 1 | 307 (300-314) | - | - |" in table
+    # only some rows measured: the ratios to rows left out are None, not an error
+    some = [s for s in specs if s.name in ("tfdp single", "tfdp mirrored x2")]
+    rows = streaming.summarize(some, {s.name: measurements[s.name] for s in some})
+    assert all(r["vs_keras_same_devices"] is None and r["vs_in_memory"] is None for r in rows)
+
+
+def test_the_streaming_pipeline_reads_what_was_written_the_same_way_every_time(tmp_path):
+    """The files hold the examples written; the pipeline makes full batches of crops and
+    flips of them that are the same on every run (stateless ops, seeded shuffle)."""
+    import numpy as np
+
+    from tfdp.bench import streaming
+
+    paths = streaming.write_records(str(tmp_path), 24)
+    assert len(paths) == streaming.FILES
+    images, labels = streaming.decoded_arrays(paths)
+    assert images.shape == (24, 32, 32, 3) and images.dtype == np.float32
+    assert 0 <= images.min() and images.max() <= 1 and set(labels) <= set(range(10))
+    rng = np.random.default_rng(0)  # what write_records wrote, example i in file i % 8
+    written = rng.integers(0, 256, (24, 32, 32, 3), dtype=np.uint8)
+    order = [i for f in range(streaming.FILES) for i in range(f, 24, streaming.FILES)]
+    np.testing.assert_array_equal(images, written[order] / np.float32(255))
+
+    def batches():
+        data = streaming.pipeline(paths, 8, shuffle_buffer=24)
+        return [(x.numpy(), y.numpy()) for x, y in data.take(6)]  # 2 passes of 3 batches
+
+    first, again = batches(), batches()
+    assert all(x.shape == (8, 32, 32, 3) and y.shape == (8,) for x, y in first)
+    for (x, y), (x2, y2) in zip(first, again):
+        np.testing.assert_array_equal(x, x2)
+        np.testing.assert_array_equal(y, y2)
+    # each pass reads every example once, cropped and flipped anew (a new order, new seeds)
+    passes = [np.concatenate([x for x, _ in first[p : p + 3]]) for p in (0, 3)]
+    assert not np.array_equal(passes[0], passes[1])
+    assert sorted(np.concatenate([y for _, y in first[:3]])) == sorted(labels)
+
+
+@pytest.mark.slow
+def test_streaming_suite_smoke(tmp_path):
+    """The streaming suite's smallest run: the TFRecord files, then Keras fit and tfdp
+    single on them, each in its own process; the table and the JSON from the raw times
+    (the in-memory row: `test_the_in_memory_row_trains_on_the_decoded_examples`)."""
+    jsonl = tmp_path / "streaming.jsonl"
+    process = run_bench(
+        "--suite=streaming",
+        "--rounds=1",
+        "--warmup=2",
+        "--iterations=2",
+        "--stream_examples=128",
+        "--stream_shuffle=64",
+        "--batch_size=16",
+        "--only=keras fit,tfdp single",
+        f"--json={jsonl}",
+    )
+    assert (
+        "on 128 CIFAR-shaped examples in 8 TFRecord files, batch 16, 2 timed steps after 2"
+        in (process.stdout.splitlines()[0])
+    )
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    measured = {r["name"]: r for r in records if not r.get("summary")}
+    rows = {r["configuration"]: r for r in records if r.get("summary")}
+    assert list(measured) == list(rows) == ["keras fit", "tfdp single"]
+    assert all(r["suite"] == "streaming" and r["round"] == 1 for r in measured.values())
+    for r in measured.values():
+        # images/s: 2 timed steps x 16 images over the timed seconds
+        assert r["images_per_second"] == pytest.approx(2 * 16 / r["seconds"], rel=1e-9)
+        assert r["step_seconds"] == pytest.approx(r["seconds"] / 2, rel=1e-9)
+        # the input alone, against the step
+        assert r["input_images_per_second"] == pytest.approx(
+            16 / r["input_seconds_per_batch"], rel=1e-9
+        )
+        assert r["input_share"] == pytest.approx(
+            r["input_seconds_per_batch"] / r["step_seconds"], rel=1e-9
+        )
+        assert 0 < r["seconds"] < r["fit_seconds"] and r["warmup_seconds"] > 0
+        assert r["device_list"] == ["CPU:0"] and r["cpu_seconds"] > 0
+        assert r["cores_used"] == pytest.approx(r["cpu_seconds"] / r["seconds"], rel=1e-9)
+        assert r["others_cores_used"] >= 0
+        if x86_64():
+            assert r["onednn"] is True  # the Keras row too
+    rate = {name: r["images_per_second"] for name, r in measured.items()}
+    assert rows["tfdp single"]["vs_keras_same_devices"] == pytest.approx(
+        rate["tfdp single"] / rate["keras fit"], rel=1e-9
+    )
+    assert rows["keras fit"]["vs_keras_same_devices"] == 1.0
+    for name, row in rows.items():
+        assert row["vs_in_memory"] is None  # the in-memory row was not measured
+        assert row["images_per_second"] == rate[name]
+        assert row["input_share"] == measured[name]["input_share"]
+        assert f"| {name} | 1 | {rate[name]:.0f} ({rate[name]:.0f}-{rate[name]:.0f}) |" in (
+            process.stdout
+        )
+
+
+@pytest.mark.slow
+def test_the_in_memory_row_trains_on_the_decoded_examples(tmp_path):
+    """The in-memory row in this process, on CPU:0: tfdp.fit on the arrays, its warm-up
+    and timed steps seen by the clock, then tfdp's batches of the arrays alone."""
+    from tfdp.bench import streaming
+
+    [spec] = [s for s in streaming.configurations() if s.source == "arrays"]
+    paths = streaming.write_records(str(tmp_path), 32)
+    job = {"paths": paths, "batch_size": 8, "warmup": 1, "iterations": 2, "shuffle_buffer": 8}
+    r = streaming.measure_on(spec, ["/device:CPU:0"], job)
+    assert r["name"] == "tfdp single in memory" and r["device_list"] == ["CPU:0"]
+    assert r["images_per_second"] == pytest.approx(2 * 8 / r["seconds"], rel=1e-9)
+    assert r["input_share"] == pytest.approx(
+        r["input_seconds_per_batch"] / r["step_seconds"], rel=1e-9
+    )
+    assert 0 < r["seconds"] < r["fit_seconds"]

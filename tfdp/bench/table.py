@@ -13,7 +13,8 @@ tutorial's run: LeNet, batch 1024, 50 iterations.
 unequal speed instead (tfdp/bench/mixed.py); `--suite=gpu` single GPU,
 mirrored over all GPUs and a GPU with the CPU (tfdp/bench/gpu.py);
 `--suite=cluster` 2 workers, one slowed, split evenly against rebalanced
-(tfdp/bench/cluster.py).
+(tfdp/bench/cluster.py); `--suite=streaming` a small ResNet on TFRecord files
+through a tf.data pipeline, tfdp beside Keras fit (tfdp/bench/streaming.py).
 """
 
 from __future__ import annotations
@@ -84,12 +85,22 @@ def define_flags() -> None:
     flags.DEFINE_enum(
         "suite",
         "scaling",
-        ["scaling", "mixed", "switches", "gpu", "cluster"],
+        ["scaling", "mixed", "switches", "gpu", "cluster", "streaming"],
         "scaling: the tutorial's table over device counts; mixed: splits over unequal devices; "
         "switches: --jit_compile and each --precision against the plain step, at each of "
         "--device_counts (single at 1, mirrored above); gpu: one GPU, all GPUs, GPU+CPU, each "
         "beside Keras fit (logical CPUs stand in without a GPU); cluster: 2 workers, "
-        "--cluster_slowdown, even split against rebalancing.",
+        "--cluster_slowdown, even split against rebalancing; streaming: a small ResNet on "
+        "CIFAR-shaped TFRecord files through a tf.data pipeline, tfdp beside Keras fit (its "
+        "own defaults: --batch_size=128, --iterations=30).",
+    )
+    flags.DEFINE_integer(
+        "stream_examples",
+        8192,
+        "streaming: random CIFAR-shaped examples written as TFRecord files for every row.",
+    )
+    flags.DEFINE_integer(
+        "stream_shuffle", 2048, "streaming: the pipeline's shuffle buffer, in examples."
     )
     flags.DEFINE_list(
         "worker_threads",
@@ -426,6 +437,10 @@ def steps_only(seconds: float, job: dict) -> dict:
 
 
 def run_worker(job: dict) -> dict:
+    if job.get("suite") == "streaming":
+        from tfdp.bench import streaming as bench_streaming
+
+        return bench_streaming.measure(job)
     if job.get("suite") == "mixed":
         from tfdp.bench import mixed as bench_mixed
 
@@ -716,6 +731,35 @@ def run_mixed(mnist_dir) -> None:
         print(f"chart: {FLAGS.plot}")
 
 
+def run_streaming() -> None:
+    """`--suite=streaming` (tfdp/bench/streaming.py), with its own batch and timed steps
+    unless --batch_size or --iterations is given."""
+    from tfdp.bench import streaming as bench_streaming
+
+    job = {
+        "suite": "streaming",
+        "examples": FLAGS.stream_examples,
+        "shuffle_buffer": FLAGS.stream_shuffle,
+        "batch_size": FLAGS.batch_size
+        if FLAGS["batch_size"].present
+        else bench_streaming.BATCH_SIZE,
+        "iterations": FLAGS.iterations
+        if FLAGS["iterations"].present
+        else bench_streaming.ITERATIONS,
+        "warmup": FLAGS.warmup,
+    }
+    for flag, value, least in (
+        ("warmup", job["warmup"], 1),  # the clock starts at the end of the last warm-up step
+        ("iterations", job["iterations"], 1),
+        ("stream_shuffle", job["shuffle_buffer"], 1),
+        ("stream_examples", job["examples"], job["batch_size"]),  # a full batch at least
+    ):
+        if value < least:
+            print(f"tfdp-bench: error: --{flag}={value}: must be {least} or more", file=sys.stderr)
+            sys.exit(2)
+    bench_streaming.run(job, FLAGS.rounds, FLAGS.json, measure_in_subprocess, FLAGS.only)
+
+
 def check_plotting() -> None:
     """--plot needs matplotlib, an optional extra: a clear line and exit 2 without it."""
     import importlib.util
@@ -747,6 +791,9 @@ def main(argv) -> None:
     mnist_dir = FLAGS.mnist_dir or os.environ.get("TFDP_MNIST_DIR")
     if FLAGS.suite == "mixed":
         run_mixed(mnist_dir)
+        return
+    if FLAGS.suite == "streaming":
+        run_streaming()
         return
     counts = [int(c) for c in FLAGS.device_counts]
     job = {
