@@ -21,6 +21,8 @@ import time
 
 from absl import app, flags
 
+from tfdp.bench import records
+
 FLAGS = flags.FLAGS
 
 
@@ -41,49 +43,17 @@ def define_flags() -> None:
     flags.DEFINE_string("child", None, "Internal: the JSON job of one measured run.")
 
 
-FILES = 8  # TFRecord files per dataset
+FILES = records.FILES  # TFRecord files per dataset
 IMAGE_BYTES = 28 * 28
 
 
 def write_records(directory: str, examples: int, seed: int) -> list[str]:
     """`examples` random MNIST-shaped examples in FILES TFRecord files."""
-    import numpy as np
-    import tensorflow as tf
-
-    rng = np.random.default_rng(seed)
-    paths = [os.path.join(directory, f"train-{i}.tfrecord") for i in range(FILES)]
-    writers = [tf.io.TFRecordWriter(path) for path in paths]
-    for begin in range(0, examples, 10000):
-        count = min(10000, examples - begin)
-        images = rng.integers(0, 256, (count, IMAGE_BYTES), dtype=np.uint8)
-        labels = rng.integers(0, 10, count)
-        for i in range(count):
-            feature = {
-                "image": tf.train.Feature(
-                    bytes_list=tf.train.BytesList(value=[images[i].tobytes()])
-                ),
-                "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[labels[i]])),
-            }
-            example = tf.train.Example(features=tf.train.Features(feature=feature))
-            writers[(begin + i) % FILES].write(example.SerializeToString())
-    for writer in writers:
-        writer.close()
-    return paths
+    return records.write_records(directory, examples, [IMAGE_BYTES], seed=seed)
 
 
 def _parse(record):
-    import tensorflow as tf
-
-    parsed = tf.io.parse_single_example(
-        record,
-        {
-            "image": tf.io.FixedLenFeature([], tf.string),
-            "label": tf.io.FixedLenFeature([], tf.int64),
-        },
-    )
-    image = tf.reshape(tf.io.decode_raw(parsed["image"], tf.uint8), [IMAGE_BYTES])
-    image = tf.cast(image, tf.float32) / 255.0
-    return image, parsed["label"]
+    return records.parse(record, [IMAGE_BYTES])
 
 
 def _model():

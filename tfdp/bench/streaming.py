@@ -55,9 +55,10 @@ import statistics
 import tempfile
 import time
 
+from tfdp.bench import records
 from tfdp.bench.spec import Spec
 
-FILES = 8  # TFRecord files the dataset is written in
+FILES = records.FILES  # TFRecord files the dataset is written in
 IMAGE_SHAPE = (32, 32, 3)
 CLASSES = 10
 PAD = 4  # the random crop's padding on each side
@@ -98,45 +99,13 @@ def spec_of(fields: dict) -> StreamSpec:
 
 
 def write_records(directory: str, examples: int, seed: int = 0) -> list[str]:
-    """`examples` random CIFAR-shaped examples (uint8 images, int64 labels) in FILES
-    TFRecord files, example i in file i mod FILES."""
-    import numpy as np
-    import tensorflow as tf
-
-    rng = np.random.default_rng(seed)
-    paths = [os.path.join(directory, f"train-{i}.tfrecord") for i in range(FILES)]
-    writers = [tf.io.TFRecordWriter(path) for path in paths]
-    for begin in range(0, examples, 4096):
-        count = min(4096, examples - begin)
-        images = rng.integers(0, 256, (count, *IMAGE_SHAPE), dtype=np.uint8)
-        labels = rng.integers(0, CLASSES, count)
-        for i in range(count):
-            feature = {
-                "image": tf.train.Feature(
-                    bytes_list=tf.train.BytesList(value=[images[i].tobytes()])
-                ),
-                "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[labels[i]])),
-            }
-            example = tf.train.Example(features=tf.train.Features(feature=feature))
-            writers[(begin + i) % FILES].write(example.SerializeToString())
-    for writer in writers:
-        writer.close()
-    return paths
+    """`examples` random CIFAR-shaped examples in FILES TFRecord files."""
+    return records.write_records(directory, examples, IMAGE_SHAPE, CLASSES, seed)
 
 
 def parse(record):
     """A serialized example -> (float32 image in [0, 1], int64 label)."""
-    import tensorflow as tf
-
-    parsed = tf.io.parse_single_example(
-        record,
-        {
-            "image": tf.io.FixedLenFeature([], tf.string),
-            "label": tf.io.FixedLenFeature([], tf.int64),
-        },
-    )
-    image = tf.reshape(tf.io.decode_raw(parsed["image"], tf.uint8), IMAGE_SHAPE)
-    return tf.cast(image, tf.float32) / 255.0, parsed["label"]
+    return records.parse(record, IMAGE_SHAPE)
 
 
 def augment(image, seed):
