@@ -6,8 +6,12 @@
                                   (logical CPUs stand in where there is no GPU)
     tfdp-bench --suite=cluster    cluster.py: 2 workers, one slowed: even split vs rebalanced
     tfdp-bench --suite=switches   table.py: the step with --jit_compile and each --precision
+    tfdp-bench --suite=streaming  streaming.py: a small ResNet on TFRecord files through tf.data,
+                                  beside Keras fit and MirroredStrategy, and against in memory
+    python -m tfdp.bench.memory   memory.py: peak memory of a stream against the data's size
     python -m tfdp.bench.steps    steps.py: variants of one training step, timed and profiled
     flops.py                      LeNet's FLOPs per image, as the table counts them
+    records.py                    random image datasets written as TFRecord files
 
 They drive tfdp through its library (Config, build_trainer, the data
 pipeline), as a user's script would.
