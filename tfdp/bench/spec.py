@@ -1,4 +1,5 @@
-"""What one row of a benchmark measures: the table's, the GPU suite's and the cluster suite's."""
+"""What one row of a benchmark measures (the table's, the GPU, cluster and streaming
+suites'), and the devices it runs on."""
 
 from __future__ import annotations
 
@@ -23,3 +24,14 @@ class Spec:
     rebalance_every: int = 0  # tfdp's --rebalance_every
     slowdown: str = ""  # tfdp's --simulate_slowdown
     intra_op_threads: int = 0  # multiworker: each worker's --intra_op_threads (0: TF's default)
+
+
+def device_names(kind: str, n: int) -> list[str]:
+    """A row's n devices of `kind` ("cpu": logical CPUs, set up here, before TensorFlow
+    starts; else GPUs)."""
+    import tfdp
+
+    if kind == "cpu":
+        tfdp.configure_logical_devices(logical_cpus=n)
+        return [f"/device:CPU:{i}" for i in range(n)]
+    return [f"/device:GPU:{i}" for i in range(n)]

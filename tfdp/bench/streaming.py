@@ -56,7 +56,7 @@ import tempfile
 import time
 
 from tfdp.bench import records
-from tfdp.bench.spec import Spec
+from tfdp.bench.spec import Spec, device_names
 
 FILES = records.FILES  # TFRecord files the dataset is written in
 IMAGE_SHAPE = (32, 32, 3)
@@ -280,8 +280,6 @@ def train(spec: StreamSpec, devices: list[str], data, steps: int, clock, batch_s
 
 def measure(job: dict) -> dict:
     """A worker's measurement of the job's row, on as many logical CPUs as it names."""
-    from tfdp.bench.table import device_names
-
     spec = spec_of(job["spec"])
     devices = device_names("cpu", spec.devices)  # the logical CPUs, before TensorFlow starts
     return measure_on(spec, devices, job)

@@ -35,7 +35,7 @@ from tfdp import onednn  # noqa: E402
 
 onednn.enable_by_default()  # an entry point: before TensorFlow is imported
 from tfdp.bench.flops import FORWARD_FLOPS, TRAIN_FLOPS  # noqa: E402
-from tfdp.bench.spec import Spec  # noqa: E402
+from tfdp.bench.spec import Spec, device_names  # noqa: E402
 from tfdp.observe import CpuAccounting  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -172,15 +172,6 @@ def switch_configurations(counts) -> list[Spec]:
 
 
 # ---------------------------------------------------------------- one process
-
-
-def device_names(kind: str, n: int) -> list[str]:
-    import tfdp
-
-    if kind == "cpu":
-        tfdp.configure_logical_devices(logical_cpus=n)
-        return [f"/device:CPU:{i}" for i in range(n)]
-    return [f"/device:GPU:{i}" for i in range(n)]
 
 
 def load_arrays(synthetic: bool, mnist_dir: str | None):
@@ -619,7 +610,8 @@ def format_table(rows, iterations) -> str:
             f"({r['images_per_second_min']:.0f}-{r['images_per_second_max']:.0f}) "
             f"| {r['seconds']:.2f} | {num(r['vs_tfdp_single'], '.2f')} "
             f"| {num(r['vs_keras_same_devices'], '.2f')} "
-            f"| {num(r['vs_keras_onednn_same_devices'], '.2f')} | {num(r['fraction_of_peak'], '.2f')} "
+            f"| {num(r['vs_keras_onednn_same_devices'], '.2f')} "
+            f"| {num(r['fraction_of_peak'], '.2f')} "
             f"| {num(r['accuracy_at_40'], '.4f')} | {num(r['steal_fraction_max'], '.0%')} |"
         )
     return "\n".join(lines)
