@@ -215,12 +215,17 @@ def generator():
             yield x[begin : begin + BATCH], y[begin : begin + BATCH]
 
 
-def test_a_generator_trains_as_keras_fit_trains_it():
+def assert_fits_as_keras(make, **settings):
+    """tfdp.fit on a new `make()` gives Keras fit's History and weights on another."""
     reference = model()
-    keras_history = reference.fit(generator(), epochs=2, steps_per_epoch=4, verbose=0)
+    keras_history = reference.fit(make(), verbose=0, **settings)
     trained = model()
-    history = tfdp.fit(trained, generator(), epochs=2, steps_per_epoch=4, verbose=0)
+    history = tfdp.fit(trained, make(), verbose=0, **settings)
     assert_same_training(history, keras_history, trained, reference)
+
+
+def test_a_generator_trains_as_keras_fit_trains_it():
+    assert_fits_as_keras(generator, epochs=2, steps_per_epoch=4)
 
 
 def test_a_generator_that_raises_names_the_step():
@@ -653,11 +658,7 @@ class Endless(Batches):
 
 
 def test_an_infinite_py_dataset_runs_in_windows_of_steps_per_epoch():
-    reference = model()
-    keras_history = reference.fit(Endless(), epochs=2, steps_per_epoch=4, verbose=0)
-    trained = model()
-    history = tfdp.fit(trained, Endless(), epochs=2, steps_per_epoch=4, verbose=0)
-    assert_same_training(history, keras_history, trained, reference)
+    assert_fits_as_keras(Endless, epochs=2, steps_per_epoch=4)
 
 
 # --dataset=tfds:NAME, on tensorflow-datasets' own mock data: never the network.
