@@ -93,20 +93,6 @@ class Plan:
         batch, per_pass = self.config.batch_size, self.batches_per_pass
         return min(self.examples - (per_pass - 1) * batch, batch)
 
-    def training_batches(self, start_step: int):
-        """The global batches of steps start_step, start_step + 1, ..."""
-        data, config = self.train_data, self.config
-        if data_lib.is_stream(data):
-            return data.training_batches(start_step)
-        return data_lib.train_dataset(
-            data,
-            config.batch_size,
-            config.seed,
-            start_step,
-            config.drop_remainder,
-            config.shuffle,
-        )
-
     def training_indices(self, start_step: int):
         """Arrays: the example indices of the global batches of steps start_step, ..."""
         config = self.config
@@ -456,11 +442,11 @@ def stream_iterator(plan: Plan, trainer, checkpointer, start_step: int):
     saves = saves and unsaved is None
     note = None
     if saves and start_step and checkpointer.saved_input():
-        iterator = trainer.distribute(plan.training_batches(0))
+        iterator = trainer.distribute(stream.training_batches(0))
         checkpointer.restore_input(iterator)
         note = f"the {stream.source} at the position saved with the checkpoint"
     else:
-        iterator = trainer.distribute(plan.training_batches(start_step))
+        iterator = trainer.distribute(stream.training_batches(start_step))
         if start_step and stream.starting_at is not None:
             note = f"the {stream.source} read on by index from step {start_step}'s batch"
         elif start_step:
