@@ -77,6 +77,7 @@ class WeightedTrainer(Trainer):
             if not w.trainable and "float" in str(w.dtype)
         ]
         self._train_step = tf.function(self._step)
+        self._sync_copies = tf.function(self._broadcast)
         self._predict_step = tf.function(self._predict, reduce_retracing=True)
         self._seconds_alone = tf.function(self._alone)
         self._seconds_together = tf.function(self._together)
@@ -104,7 +105,7 @@ class WeightedTrainer(Trainer):
             self.optimizer.apply_gradients(zip(summed, master.trainable_variables))
             loss = tf.add_n(losses)
         self._combine_statistics()
-        self.sync_copies()
+        self._broadcast()
         return {
             "loss": loss,
             "batch": batch,
@@ -176,7 +177,13 @@ class WeightedTrainer(Trainer):
         return seconds
 
     def sync_copies(self):
-        """Copies device 0's weights to every other device."""
+        """Copies device 0's weights to every other device (after a restore, or a callback
+        that may have set them): one compiled call, as the hooks may call it every step."""
+        if len(self.devices) > 1:
+            self._sync_copies()
+
+    def _broadcast(self):
+        """Step 5: device 0's weights -> every other device's copy."""
         for device, model in zip(self.devices[1:], self.models[1:]):
             with tf.device(device):
                 for target, source in zip(model.weights, self.models[0].weights):
