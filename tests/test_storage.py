@@ -286,7 +286,6 @@ def fake_trainer(model, balanced=False):
         devices=["/device:CPU:0"],
         shards=[100],
         is_chief=True,
-        sync_copies=lambda: None,
     )
 
 

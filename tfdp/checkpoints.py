@@ -265,7 +265,6 @@ class Checkpointer:
             self._tidy(step, skipped, index, index_problem, log)
         if step is None:
             return 0
-        self.trainer.sync_copies()
         return int(self.step.numpy())
 
     def _read_index(self):

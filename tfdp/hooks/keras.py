@@ -7,7 +7,7 @@ epoch began of the loss and the compiled metrics, over the global batches; the
 validation's with `val_` prefixes). The callbacks see the trainer's master copy
 of the model: a learning rate they set is the one the update uses on every
 device, `model.stop_training` stops the run after that step, and weights they
-set reach every copy (`Trainer.sync_copies`).
+set reach every copy (each trainer's next step starts from the master's).
 
 Callback state is saved with each checkpoint (`state` / `restore`): the built-in
 callbacks' counters (EarlyStopping's wait and best, ReduceLROnPlateau's, ...)
@@ -197,8 +197,6 @@ class KerasCallbacks(Hook):
             steps=run.plan.steps_per_epoch,
         )
         self.history = self.list._history
-        # weights set by a callback in a batch hook must reach every copy before the next step
-        self.batch_hooks = any(_overrides_batch_hooks(c) for c in self.user)
         self.model.stop_training = False
         if self.saved_state is not None:  # a CSV of the run so far is continued, not replaced
             for callback in self.user:
@@ -211,14 +209,12 @@ class KerasCallbacks(Hook):
         self.resumed_in = (
             run.epoch_of(run.start_step) if run.batch_in_epoch(run.start_step) else None
         )
-        trainer.sync_copies()
 
     def on_epoch_begin(self, run, epoch):
         if epoch == self.resumed_in:  # the unbroken run began this epoch before the checkpoint
             return
         self.logs.reset()
         self.list.on_epoch_begin(epoch)
-        run.trainer.sync_copies()
 
     def on_step_begin(self, run, step):
         self.list.on_train_batch_begin(run.batch_in_epoch(step))
@@ -227,8 +223,6 @@ class KerasCallbacks(Hook):
         run.outputs = run.trainer.global_outputs(run.outputs)  # multiworker: the whole batch
         self.add(self.logs, run.outputs)
         self.list.on_train_batch_end(run.batch_in_epoch(step), self.logs.result())
-        if self.batch_hooks:
-            run.trainer.sync_copies()
         if self.model.stop_training:
             run.stopping = True
 
@@ -238,13 +232,11 @@ class KerasCallbacks(Hook):
             logs.update({f"val_{k}": v for k, v in self.validate(run).items()})
         self.list.on_epoch_end(epoch, logs)
         self.epoch_logs = logs
-        run.trainer.sync_copies()
         if self.model.stop_training:
             run.stopping = True
 
     def on_train_end(self, run):
         self.list.on_train_end(logs=self.epoch_logs or None)
-        run.trainer.sync_copies()
         run.result["history"] = {k: list(map(float, v)) for k, v in self.history.history.items()}
         run.result["epochs"] = list(self.history.epoch)
 
@@ -303,13 +295,6 @@ class KerasCallbacks(Hook):
         for callback, saved in zip(self.list.callbacks, state["callbacks"]):
             restore_callback(callback, saved)
 
-
-def _overrides_batch_hooks(callback) -> bool:
-    base = keras.callbacks.Callback
-    return any(
-        getattr(type(callback), name) is not getattr(base, name)
-        for name in ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
-    )
 
 
 def callback_state(callback) -> dict | None:

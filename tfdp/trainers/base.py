@@ -71,9 +71,6 @@ class Trainer:
     def set_weights(self, weights) -> None:
         raise NotImplementedError
 
-    def sync_copies(self) -> None:
-        """After a restore: every copy holds the master's weights."""
-
     def global_outputs(self, metrics: dict) -> dict:
         """A step's outputs over the whole global batch (they already are, in one process)."""
         return metrics

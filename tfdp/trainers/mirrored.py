@@ -212,9 +212,6 @@ class MirroredTrainer(Trainer):
         summed = self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
         return summed, self.strategy.experimental_local_results(predictions)
 
-    def sync_copies(self):
-        """Nothing to do: MirroredVariables keep every replica's copy equal."""
-
     def set_weights(self, weights) -> None:
         """Sets `weights` on every replica."""
         with self.strategy.scope():

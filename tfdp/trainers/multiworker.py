@@ -297,9 +297,6 @@ class MultiWorkerTrainer(Trainer):
             "worker_batch": self.worker_batch,
         }
 
-    def sync_copies(self):
-        """Nothing to do: the all-reduce keeps every worker's variables equal."""
-
     def set_weights(self, weights) -> None:
         with self.strategy.scope():
             self.model.set_weights(weights)

@@ -7,7 +7,9 @@ One model copy lives on each device. Per step:
   3. the gradients of devices 1..n-1 are copied to device 0 and summed there;
   4. device 0 applies the model's compiled optimizer (the tutorial: plain SGD)
      to its weights, with the optimizer's slots kept there;
-  5. device 0's new weights are copied to devices 1..n-1.
+  5. device 0's new weights are copied to devices 1..n-1, as the next step (or
+     evaluation) begins: so weights set between steps (a callback's, a
+     restore's) reach every copy with no copy of their own.
 Moving statistics (batch norm) are the copies' values weighted by their shards.
 With one device this is plain single-device training: no copies at all.
 
@@ -77,7 +79,6 @@ class WeightedTrainer(Trainer):
             if not w.trainable and "float" in str(w.dtype)
         ]
         self._train_step = tf.function(self._step)
-        self._sync_copies = tf.function(self._broadcast)
         self._predict_step = tf.function(self._predict, reduce_retracing=True)
         self._seconds_alone = tf.function(self._alone)
         self._seconds_together = tf.function(self._together)
@@ -94,6 +95,7 @@ class WeightedTrainer(Trainer):
         return self._train_step(iterator)
 
     def _step(self, iterator):
+        self._broadcast()  # step 5 of the step before
         batch = next(iterator)
         examples = num_examples(batch)  # the global batch, or an epoch's partial last one
         sizes = shard_sizes_for(examples, self.global_batch_size, self.shard_sizes)
@@ -105,7 +107,6 @@ class WeightedTrainer(Trainer):
             self.optimizer.apply_gradients(zip(summed, master.trainable_variables))
             loss = tf.add_n(losses)
         self._combine_statistics()
-        self._broadcast()
         return {
             "loss": loss,
             "batch": batch,
@@ -176,12 +177,6 @@ class WeightedTrainer(Trainer):
             )
         return seconds
 
-    def sync_copies(self):
-        """Copies device 0's weights to every other device (after a restore, or a callback
-        that may have set them): one compiled call, as the hooks may call it every step."""
-        if len(self.devices) > 1:
-            self._sync_copies()
-
     def _broadcast(self):
         """Step 5: device 0's weights -> every other device's copy."""
         for device, model in zip(self.devices[1:], self.models[1:]):
@@ -202,6 +197,7 @@ class WeightedTrainer(Trainer):
         return summed, concat(predictions)
 
     def _predict(self, batch, sizes):
+        self._broadcast()
         losses, outputs = [], []
         for device, model, shard, size in zip(
             self.devices, self.models, self._split(batch, list(sizes)), sizes
