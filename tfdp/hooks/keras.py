@@ -94,8 +94,9 @@ class KerasLogs:
         self._update = None
         self._saved = None  # values to load once Keras has built the metrics
 
-    def update(self, batch, predictions, loss) -> None:
-        """Adds one batch (host tensors): its examples, their outputs, its loss."""
+    def update(self, batch, predictions, loss) -> dict[str, float]:
+        """Adds one batch (host tensors): its examples, their outputs, its loss; returns
+        the logs after it (`result`), from the same compiled call."""
         import tensorflow as tf
 
         if self._update is None:
@@ -103,7 +104,8 @@ class KerasLogs:
         with tf.device("/cpu:0"):
             if self._saved is not None:
                 self._build(batch, predictions)
-            self._update(batch, predictions, tf.cast(loss, tf.float32))
+            logs = self._update(batch, predictions, tf.cast(loss, tf.float32))
+        return {name: float(value) for name, value in logs.items()}
 
     def load(self, values) -> None:
         """Sets the running means to saved `values` (of `variables()` once built). Keras
@@ -135,6 +137,7 @@ class KerasLogs:
             self.compiled.update_state(y, predictions, sample_weight)
         if len(self.losses.metrics) > 1:  # each output's loss, as Keras logs it
             self.losses(y, predictions, sample_weight)
+        return self._results()
 
     def metrics(self) -> list:
         return [
@@ -144,13 +147,17 @@ class KerasLogs:
         ]
 
     def result(self) -> dict[str, float]:
+        return {name: float(value) for name, value in self._results().items()}
+
+    def _results(self) -> dict:
+        """Every metric's running value (tensors), in Keras' order."""
         logs = {}
         for metric in self.metrics():
             value = metric.result()
             if isinstance(value, dict):
-                logs.update({k: float(v) for k, v in value.items()})
+                logs.update(value)
             else:
-                logs[metric.name] = float(value)
+                logs[metric.name] = value
         return logs
 
     def reset(self) -> None:
@@ -221,8 +228,7 @@ class KerasCallbacks(Hook):
 
     def on_step_end(self, run, step):
         run.outputs = run.trainer.global_outputs(run.outputs)  # multiworker: the whole batch
-        self.add(self.logs, run.outputs)
-        self.list.on_train_batch_end(run.batch_in_epoch(step), self.logs.result())
+        self.list.on_train_batch_end(run.batch_in_epoch(step), self.add(self.logs, run.outputs))
         if self.model.stop_training:
             run.stopping = True
 
@@ -261,8 +267,7 @@ class KerasCallbacks(Hook):
 
             self.list.on_test_batch_begin(index)
             loss = float(summed) / int(num_examples(batch)) + regularization
-            self.val_logs.update(batch, predictions, loss)
-            self.list.on_test_batch_end(index, self.val_logs.result())
+            self.list.on_test_batch_end(index, self.val_logs.update(batch, predictions, loss))
 
         evaluate(run.trainer, run.plan.spec, data, batch_size, on_batch=on_batch, steps=steps)
         logs = self.val_logs.result()
@@ -271,11 +276,12 @@ class KerasCallbacks(Hook):
         return logs
 
     @staticmethod
-    def add(logs, outputs) -> None:
+    def add(logs, outputs) -> dict[str, float]:
+        """Adds a step's global batch to `logs`; returns the logs after it."""
         from tfdp.objective import concat
 
         batch = concat(outputs["batches"]) if "batches" in outputs else outputs["batch"]
-        logs.update(batch, concat(outputs["predictions"]), outputs["loss"])
+        return logs.update(batch, concat(outputs["predictions"]), outputs["loss"])
 
     # --- state saved with a checkpoint
 
