@@ -71,8 +71,9 @@ def check_callbacks(callbacks) -> list:
 class KerasLogs:
     """What Keras' `fit` logs for its callbacks: running means, since the last `reset`,
     of the loss (each batch weighted by its examples) and of the compiled metrics,
-    computed on the host from each global batch and its predictions, with Keras' own
-    metric objects in Keras' order (loss, compiled metrics, each output's loss)."""
+    computed from each global batch and its predictions, with Keras' own metric
+    objects in Keras' order (loss, compiled metrics, each output's loss): inside the
+    training step's compiled call (`add_step`), or from the host (`update`)."""
 
     def __init__(self, model):
         from keras.src.trainers.compile_utils import CompileLoss, CompileMetrics
@@ -105,7 +106,7 @@ class KerasLogs:
             if self._saved is not None:
                 self._build(batch, predictions)
             logs = self._update(batch, predictions, tf.cast(loss, tf.float32))
-        return {name: float(value) for name, value in logs.items()}
+        return floats(logs)
 
     def load(self, values) -> None:
         """Sets the running means to saved `values` (of `variables()` once built). Keras
@@ -114,6 +115,25 @@ class KerasLogs:
         if len(self.variables()) == len(self._saved):
             self._assign()
 
+    def build_on(self, batch, model) -> None:
+        """Makes the metrics' variables now, from a few examples (host tensors) and
+        `model`'s outputs on them, so that a compiled step can update them."""
+        import tensorflow as tf
+
+        from tfdp.objective import unpack
+
+        x, _, _ = unpack(batch)
+        with tf.device("/cpu:0"):
+            self._build(batch, model(x, training=False))
+
+    def add_step(self, outputs) -> dict:
+        """Inside a step's compiled call: adds its global batch (`step_batch`); returns
+        the logs after it, as tensors."""
+        import tensorflow as tf
+
+        with tf.device("/cpu:0"):
+            return self._add(*step_batch(outputs))
+
     def _build(self, batch, predictions) -> None:
         from tfdp.objective import unpack
 
@@ -121,7 +141,8 @@ class KerasLogs:
         for metrics in (self.compiled, self.losses):
             if metrics is not None and not metrics.built:
                 metrics.build(y, predictions)
-        self._assign()
+        if self._saved is not None:
+            self._assign()
 
     def _assign(self) -> None:
         for variable, value in zip(self.variables(), self._saved, strict=True):
@@ -129,9 +150,12 @@ class KerasLogs:
         self._saved = None
 
     def _add(self, batch, predictions, loss):
+        import tensorflow as tf
+
         from tfdp.objective import num_examples, unpack
 
         _, y, sample_weight = unpack(batch)
+        loss = tf.cast(loss, tf.float32)
         self.loss.update_state(loss, sample_weight=num_examples(batch))
         if self.compiled is not None:
             self.compiled.update_state(y, predictions, sample_weight)
@@ -147,7 +171,7 @@ class KerasLogs:
         ]
 
     def result(self) -> dict[str, float]:
-        return {name: float(value) for name, value in self._results().items()}
+        return floats(self._results())
 
     def _results(self) -> dict:
         """Every metric's running value (tensors), in Keras' order."""
@@ -190,9 +214,16 @@ class KerasCallbacks(Hook):
         self.epoch_logs = {}
 
     def on_train_begin(self, run):
+        from tfdp.data import first_examples
+
         trainer = run.trainer
         self.model = trainer.model
         self.logs = KerasLogs(self.model)
+        # A step's logs come out of the step's own compiled call where the trainer can
+        # compute them there, else from its outputs on the host.
+        self.in_step = trainer.compute_in_step("keras_logs", self.logs.add_step)
+        if self.in_step:  # the metrics' variables, before the step is traced
+            self.logs.build_on(first_examples(run.plan.train_data, 2), self.model)
         self.val_logs = KerasLogs(self.model) if self.validation else None
         self.list = keras.callbacks.CallbackList(
             self.user,
@@ -227,8 +258,12 @@ class KerasCallbacks(Hook):
         self.list.on_train_batch_begin(run.batch_in_epoch(step))
 
     def on_step_end(self, run, step):
-        run.outputs = run.trainer.global_outputs(run.outputs)  # multiworker: the whole batch
-        self.list.on_train_batch_end(run.batch_in_epoch(step), self.add(self.logs, run.outputs))
+        if self.in_step:
+            logs = floats(run.outputs["keras_logs"])
+        else:
+            run.outputs = run.trainer.global_outputs(run.outputs)  # multiworker: the whole batch
+            logs = self.logs.update(*step_batch(run.outputs))
+        self.list.on_train_batch_end(run.batch_in_epoch(step), logs)
         if self.model.stop_training:
             run.stopping = True
 
@@ -275,14 +310,6 @@ class KerasCallbacks(Hook):
         run.result["val_logs"] = logs
         return logs
 
-    @staticmethod
-    def add(logs, outputs) -> dict[str, float]:
-        """Adds a step's global batch to `logs`; returns the logs after it."""
-        from tfdp.objective import concat
-
-        batch = concat(outputs["batches"]) if "batches" in outputs else outputs["batch"]
-        return logs.update(batch, concat(outputs["predictions"]), outputs["loss"])
-
     # --- state saved with a checkpoint
 
     def state(self) -> dict:
@@ -301,6 +328,18 @@ class KerasCallbacks(Hook):
         for callback, saved in zip(self.list.callbacks, state["callbacks"]):
             restore_callback(callback, saved)
 
+
+def step_batch(outputs) -> tuple:
+    """(global batch, its predictions, its loss) of a step's outputs over the whole batch."""
+    from tfdp.objective import concat
+
+    batch = concat(outputs["batches"]) if "batches" in outputs else outputs["batch"]
+    return batch, concat(outputs["predictions"]), outputs["loss"]
+
+
+def floats(logs) -> dict[str, float]:
+    """Logs of tensors -> logs of Python numbers, as callbacks get them."""
+    return {name: float(value) for name, value in logs.items()}
 
 
 def callback_state(callback) -> dict | None:

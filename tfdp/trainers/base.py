@@ -61,6 +61,25 @@ class Trainer:
         where devices are timed, `device_seconds`."""
         raise NotImplementedError
 
+    in_step = {}  # name -> fn(outputs): computed inside every compiled step (`compute_in_step`)
+
+    def compute_in_step(self, name: str, fn) -> bool:
+        """Has every following step compute `fn(outputs)` inside its compiled call, from
+        the step's outputs over the global batch, returned as `outputs[name]`: one call
+        per step instead of a second one from the host. Call it before the first step
+        (the step is traced once). False where a step's outputs are not the whole
+        global batch's (a cluster's, `global_outputs`): compute it from those instead."""
+        if self._train_step.experimental_get_tracing_count():
+            raise RuntimeError(f"compute_in_step({name!r}) after the step was traced")
+        self.in_step = {**self.in_step, name: fn}
+        return True
+
+    def _with_in_step(self, outputs: dict) -> dict:
+        """A step's outputs, with what `compute_in_step` asked of it (in the step's graph)."""
+        for name, fn in self.in_step.items():
+            outputs[name] = fn(outputs)
+        return outputs
+
     def predict(self, batch):
         """(summed compiled loss, predictions) of an evaluation batch."""
         raise NotImplementedError

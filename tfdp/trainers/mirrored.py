@@ -136,12 +136,14 @@ class MirroredTrainer(Trainer):
             shards = batch
         loss, predictions, seconds = self.strategy.run(self._replica_step, args=(shards, examples))
         inputs = {"batch": batch} if self.input == "split" else {"batches": local(batch)}
-        return {
-            "loss": self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None),
-            **inputs,
-            "predictions": local(predictions),
-            "device_seconds": tf.stack(local(seconds)),
-        }
+        return self._with_in_step(
+            {
+                "loss": self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None),
+                **inputs,
+                "predictions": local(predictions),
+                "device_seconds": tf.stack(local(seconds)),
+            }
+        )
 
     def _split(self, batch, sizes=None):
         """A global batch on the host -> one shard per replica."""

@@ -193,6 +193,9 @@ class MultiWorkerTrainer(Trainer):
         sent = [[loss], tf.cast(self.exchange.signals_caught, loss.dtype), tf.cast(own, loss.dtype)]
         return tf.concat(sent, 0), predictions, batch
 
+    def compute_in_step(self, name, fn) -> bool:
+        return False  # a step holds this worker's slice only: see global_outputs
+
     def global_outputs(self, metrics) -> dict:
         """A step's `metrics` with every worker's slices of the batch and outputs joined
         in worker order: the global batch's (one all-gather; every worker must call it

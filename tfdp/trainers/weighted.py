@@ -107,12 +107,14 @@ class WeightedTrainer(Trainer):
             self.optimizer.apply_gradients(zip(summed, master.trainable_variables))
             loss = tf.add_n(losses)
         self._combine_statistics()
-        return {
-            "loss": loss,
-            "batch": batch,
-            "predictions": tuple(predictions),
-            "device_seconds": tf.stack(seconds),
-        }
+        return self._with_in_step(
+            {
+                "loss": loss,
+                "batch": batch,
+                "predictions": tuple(predictions),
+                "device_seconds": tf.stack(seconds),
+            }
+        )
 
     def _shard_gradients(self, shards, examples=None, timed=None):
         """Every device's forward and backward on its shard of a global batch of
