@@ -493,6 +493,7 @@ def test_the_streaming_table_is_the_arithmetic_of_the_measurements():
                 "step_seconds": 0.1 * (k + 1) + 0.01 * r,
                 "input_images_per_second": 5000.0 + 100 * k + r,
                 "input_share": 0.01 * (k + 1) + 0.001 * r * r,
+                "loop_seconds_per_step": 0.001 * (k + 1) + 0.0001 * r,
                 "cores_used": 1.5 + 0.1 * r,
                 "others_cores_used": 0.2 * r,
                 "steal_fraction": 0.01 * r,
@@ -528,6 +529,8 @@ def test_the_streaming_table_is_the_arithmetic_of_the_measurements():
         shares = [m["input_share"] for m in measurements[name]]
         assert row["input_share"] == sorted(shares)[1]
         assert row["input_share_per_round"] == shares
+        loops = sorted(m["loop_seconds_per_step"] for m in measurements[name])
+        assert row["loop_seconds_per_step"] == loops[1]
         assert row["cores_used"] == pytest.approx(1.6)
         assert row["others_cores_used"] == pytest.approx(0.2)
         assert row["steal_fraction_max"] == pytest.approx(0.02)
@@ -544,13 +547,28 @@ def test_the_streaming_table_is_the_arithmetic_of_the_measurements():
         f"| tfdp single | 1 | {single['images_per_second']:.0f} "
         f"({single['images_per_second_min']:.0f}-{single['images_per_second_max']:.0f}) "
         f"| {single['vs_keras_same_devices']:.2f} | {single['vs_in_memory']:.2f} "
-        f"| {single['input_images_per_second']:.0f} | {single['input_share']:.1%} | 1.60 (0.20) |"
+        f"| {single['input_images_per_second']:.0f} | {single['input_share']:.1%} "
+        "| 2.10 | 1.60 (0.20) |"
     ) in table
     assert "| tfdp single in memory | 1 | 307 (300-314) | - | - |" in table
     # only some rows measured: the ratios to rows left out are None, not an error
     some = [s for s in specs if s.name in ("tfdp single", "tfdp mirrored x2")]
     rows = streaming.summarize(some, {s.name: measurements[s.name] for s in some})
     assert all(r["vs_keras_same_devices"] is None and r["vs_in_memory"] is None for r in rows)
+
+
+def test_the_loop_per_step_is_the_time_between_step_ends_outside_the_step_call():
+    """`CallClock`: a step's loop time is the time from the previous step's end to its
+    own end less its call; the warm-up steps are left out, the median is taken."""
+    from tfdp.bench import streaming
+
+    clock = streaming.CallClock()
+    clock.calls = [(0.0, 0.5), (1.0, 1.5), (2.0, 2.5), (3.0, 3.9), (4.0, 4.2), (5.0, 5.1)]
+    ends = [0.6, 1.7, 2.6, 4.0, 4.3, 5.9]  # each step's end as the clock callback saw it
+    # timed steps 2..5: (2.6-1.7)-0.5, (4.0-2.6)-0.9, (4.3-4.0)-0.2, (5.9-4.3)-0.1
+    assert clock.loop_seconds(ends, warmup=2) == pytest.approx(0.45)  # median of the four
+    clock.calls = [(-9.0, -8.0), *clock.calls]  # an untimed call before: only the last count
+    assert clock.loop_seconds(ends, warmup=2) == pytest.approx(0.45)
 
 
 def test_the_streaming_pipeline_reads_what_was_written_the_same_way_every_time(tmp_path):
@@ -626,6 +644,7 @@ def test_streaming_suite_smoke(tmp_path):
         assert r["device_list"] == ["CPU:0"] and r["cpu_seconds"] > 0
         assert r["cores_used"] == pytest.approx(r["cpu_seconds"] / r["seconds"], rel=1e-9)
         assert r["others_cores_used"] >= 0
+        assert 0 <= r["loop_seconds_per_step"] < r["step_seconds"]
         if x86_64():
             assert r["onednn"] is True  # the Keras row too
     rate = {name: r["images_per_second"] for name, r in measured.items()}

@@ -40,6 +40,11 @@ cores a step waits less than that; on cores the step keeps busy (a CPU-only
 host), the input's threads take about that share of the cores from the
 step's kernels.
 
+The loop's time per step is the time between two steps' ends that the step's own
+compiled call does not take (Keras' `model.train_function`, tfdp's trainer
+`train_step`, each timed around its call): what the training loop and its
+callbacks add to every step on the host (the median over the timed steps).
+
 Each measurement also records the cores it used over the timed steps (its CPU
 seconds over the timed seconds) and the cores other processes used meanwhile
 (the machine's busy time besides it): on a shared machine, a slow round says
@@ -248,17 +253,46 @@ def seconds_per_batch(dataset, warmup: int, batches: int) -> float:
     return (time.perf_counter() - start) / batches
 
 
-def train(spec: StreamSpec, devices: list[str], data, steps: int, clock, batch_size: int):
-    """One `fit` call of `steps` steps: Keras' or tfdp's, as the row says."""
+class CallClock:
+    """The start and end of every call of the function it wraps."""
+
+    def __init__(self):
+        self.calls = []
+
+    def wrap(self, function):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            outputs = function(*args, **kwargs)
+            self.calls.append((start, time.perf_counter()))
+            return outputs
+
+        return timed
+
+    def loop_seconds(self, ends, warmup: int) -> float:
+        """The median over the timed steps of the time between two step ends outside
+        the step's call (the calls of the last `len(ends)` steps)."""
+        calls = self.calls[-len(ends) :]
+        return statistics.median(
+            (ends[k] - ends[k - 1]) - (calls[k][1] - calls[k][0]) for k in range(warmup, len(ends))
+        )
+
+
+def train(spec: StreamSpec, devices: list[str], data, steps: int, clock, batch_size: int, calls):
+    """One `fit` call of `steps` steps: Keras' or tfdp's, as the row says; `calls` times
+    each call of the compiled step."""
     import tensorflow as tf
 
     import tfdp
     from tfdp.devices import short_name
+    from tfdp.trainers.mirrored import MirroredTrainer
+    from tfdp.trainers.weighted import WeightedTrainer
 
     if spec.system == "keras":
         strategy = tf.distribute.MirroredStrategy(devices) if len(devices) > 1 else None
         with strategy.scope() if strategy else tf.device(devices[0]):
             model = make_model()
+        model.make_train_function()
+        model.train_function = calls.wrap(model.train_function)  # fit keeps the one it finds
         model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[clock])
         return
     settings = {"mode": spec.mode, "devices": ",".join(short_name(d) for d in devices)}
@@ -266,16 +300,24 @@ def train(spec: StreamSpec, devices: list[str], data, steps: int, clock, batch_s
         settings["powers"] = spec.powers
     inputs = (data, None) if spec.source == "stream" else data
     batch = batch_size if spec.source == "arrays" else None
-    tfdp.fit(
-        make_model(),
-        *inputs,
-        batch_size=batch,
-        steps_per_epoch=steps,
-        epochs=1,
-        verbose=0,
-        callbacks=[clock],
-        **settings,
-    )
+    trainers = (WeightedTrainer, MirroredTrainer)  # single is WeightedTrainer on one device
+    original = [trainer.train_step for trainer in trainers]
+    for trainer, step in zip(trainers, original):
+        trainer.train_step = calls.wrap(step)
+    try:
+        tfdp.fit(
+            make_model(),
+            *inputs,
+            batch_size=batch,
+            steps_per_epoch=steps,
+            epochs=1,
+            verbose=0,
+            callbacks=[clock],
+            **settings,
+        )
+    finally:
+        for trainer, step in zip(trainers, original):
+            trainer.train_step = step
 
 
 def measure(job: dict) -> dict:
@@ -299,9 +341,9 @@ def measure_on(spec: StreamSpec, devices: list[str], job: dict) -> dict:
     else:
         data = decoded_arrays(job["paths"])
         alone = data_lib.train_dataset(data, batch, Config().seed)  # tfdp.fit's batches
-    clock = step_clock(warmup, steps)
+    clock, calls = step_clock(warmup, steps), CallClock()
     start = time.perf_counter()
-    train(spec, devices, data, warmup + steps, clock, batch)
+    train(spec, devices, data, warmup + steps, clock, batch, calls)
     fit_seconds = time.perf_counter() - start
     if len(clock.ends) != warmup + steps:
         raise RuntimeError(f"{spec.name}: {len(clock.ends)} steps ran, not {warmup + steps}")
@@ -314,6 +356,7 @@ def measure_on(spec: StreamSpec, devices: list[str], job: dict) -> dict:
         "seconds": seconds,
         "step_seconds": step_seconds,
         "images_per_second": steps * batch / seconds,
+        "loop_seconds_per_step": calls.loop_seconds(clock.ends, warmup),
         "warmup_seconds": clock.ends[warmup - 1] - start,
         "fit_seconds": fit_seconds,
         "input_seconds_per_batch": input_seconds,
@@ -380,6 +423,9 @@ def summarize(specs, measurements) -> list[dict]:
                 ),
                 "input_share": statistics.median(m["input_share"] for m in runs),
                 "input_share_per_round": [m["input_share"] for m in runs],
+                "loop_seconds_per_step": statistics.median(
+                    m["loop_seconds_per_step"] for m in runs
+                ),
                 "cores_used": statistics.median(cores) if cores else None,
                 "others_cores_used": statistics.median(others) if others else None,
                 "steal_fraction_max": max(steal) if steal else None,
@@ -397,15 +443,16 @@ def format_table(rows) -> str:
     header = (
         "| configuration | devices | images/s (min-max) | vs keras, same devices "
         "| streamed / in memory | input alone, images/s | input share of a step "
-        "| cores used (by others) |"
+        "| loop per step, ms | cores used (by others) |"
     )
-    lines = [header, "|" + " --- |" * 8]
+    lines = [header, "|" + " --- |" * 9]
     for r in rows:
         lines.append(
             f"| {r['configuration']} | {r['devices']} | {r['images_per_second']:.0f} "
             f"({r['images_per_second_min']:.0f}-{r['images_per_second_max']:.0f}) "
             f"| {num(r['vs_keras_same_devices'], '.2f')} | {num(r['vs_in_memory'], '.2f')} "
             f"| {r['input_images_per_second']:.0f} | {r['input_share']:.1%} "
+            f"| {1e3 * r['loop_seconds_per_step']:.2f} "
             f"| {num(r['cores_used'], '.2f')} ({num(r['others_cores_used'], '.2f')}) |"
         )
     return "\n".join(lines)
