@@ -10,6 +10,8 @@ Rows, each in its own process, in interleaved rounds A B C ... A B C ...:
 
   keras fit                 model.fit(pipeline, steps_per_epoch=...) on one device
   tfdp single               tfdp.fit(model, pipeline, mode="single")
+  tfdp single no augmentation  the same pipeline without the crop and flip: the
+                            examples the in-memory row trains on, streamed
   tfdp single in memory     the same examples decoded once into numpy arrays, through
                             tfdp.fit(model, x, y, batch_size=...): tfdp's random-access
                             path, without the crop and flip (arrays have no map)
@@ -76,9 +78,11 @@ ITERATIONS = 30  # the suite's timed steps unless --iterations is given
 
 @dataclasses.dataclass(frozen=True)
 class StreamSpec(Spec):
-    """One row: `source` "stream" (the TFRecord pipeline) or "arrays" (decoded once)."""
+    """One row: `source` "stream" (the TFRecord pipeline) or "arrays" (decoded once);
+    `augmented`: the pipeline crops and flips (else it only parses and decodes)."""
 
     source: str = "stream"
+    augmented: bool = True
 
 
 def configurations() -> list[StreamSpec]:
@@ -86,6 +90,7 @@ def configurations() -> list[StreamSpec]:
     return [
         StreamSpec("keras fit", "keras", "fit", 1),
         StreamSpec("tfdp single", "tfdp", "single", 1),
+        StreamSpec("tfdp single no augmentation", "tfdp", "single", 1, augmented=False),
         StreamSpec("tfdp single in memory", "tfdp", "single", 1, source="arrays"),
         StreamSpec("keras fit mirrored x2", "keras", "fit", 2),
         StreamSpec("tfdp mirrored x2", "tfdp", "mirrored", 2),
@@ -124,19 +129,22 @@ def augment(image, seed):
     return tf.image.stateless_random_flip_left_right(image, seed=flip_seed)
 
 
-def pipeline(paths, batch_size: int, shuffle_buffer: int):
+def pipeline(paths, batch_size: int, shuffle_buffer: int, augmented: bool = True):
     """The training pipeline every streamed row reads: global batches, endless.
 
     The serialized records are shuffled (a seeded buffer, in a new order each
     pass), then numbered: example k of a pass is augmented with the seed
     (SEED, k), so an example is cropped and flipped anew in each pass (it comes
     at another place) and the same way on every run. Parsing, decoding, scaling
-    and augmenting run in one map on parallel calls, in order.
+    and augmenting run in one map on parallel calls, in order. Not `augmented`:
+    the same without the crop and flip (the examples the in-memory row trains on).
     """
     import tensorflow as tf
 
     def example(index, record):
         image, label = parse(record)
+        if not augmented:
+            return image, label
         return augment(image, tf.stack([tf.constant(SEED, tf.int64), index])), label
 
     return (
@@ -336,7 +344,7 @@ def measure_on(spec: StreamSpec, devices: list[str], job: dict) -> dict:
 
     batch, warmup, steps = job["batch_size"], job["warmup"], job["iterations"]
     if spec.source == "stream":
-        data = pipeline(job["paths"], batch, job["shuffle_buffer"])
+        data = pipeline(job["paths"], batch, job["shuffle_buffer"], spec.augmented)
         alone = data
     else:
         data = decoded_arrays(job["paths"])
@@ -378,8 +386,9 @@ def measure_on(spec: StreamSpec, devices: list[str], job: dict) -> dict:
 
 def summarize(specs, measurements) -> list[dict]:
     """One row per configuration: medians over the rounds, and ratios of the medians:
-    against Keras fit on the same number of devices, and (tfdp single) the streamed
-    rate over the in-memory one. The input share is the median of each measurement's."""
+    against Keras fit on the same number of devices and input, and (tfdp single rows)
+    the streamed rate over the in-memory one. The input share is the median of each
+    measurement's."""
     median = {
         name: statistics.median(m["images_per_second"] for m in runs)
         for name, runs in measurements.items()
@@ -391,7 +400,9 @@ def summarize(specs, measurements) -> list[dict]:
     for spec in specs:
         runs = measurements[spec.name]
         rates = [m["images_per_second"] for m in runs]
-        keras_name = keras_at.get(spec.devices) if spec.source == "stream" else None
+        # against Keras only on Keras' input (the augmented pipeline)
+        same_input = spec.source == "stream" and spec.augmented
+        keras_name = keras_at.get(spec.devices) if same_input else None
         in_memory = in_memory_at.get((spec.mode, spec.devices)) if spec.system == "tfdp" else None
         in_memory = in_memory if spec.source == "stream" else None
         cores = [m["cores_used"] for m in runs if m.get("cores_used") is not None]
