@@ -459,12 +459,12 @@ tfdp.join_cluster()  # before any other TensorFlow op
 import test_streams as t
 
 out, paths = sys.argv[1], sys.argv[2:]
-trained = t.model()
+trained, reads = t.model(), []
 history = tfdp.fit(
-    trained, t.pipeline(paths).repeat(), epochs=3, steps_per_epoch=5, verbose=0,
+    trained, t.pipeline(paths, reads=reads).repeat(), epochs=3, steps_per_epoch=5, verbose=0,
     mode="multiworker", powers=(1, 3),
 )
-np.savez(out, *trained.get_weights(), loss=history.history["loss"])
+np.savez(out, *trained.get_weights(), loss=history.history["loss"], reads=len(reads))
 """
 
 
@@ -491,6 +491,12 @@ def test_two_workers_stream_the_pipeline_as_keras_fit_on_one_device(
     keras_history, reference = keras_repeated
     for out in outs:
         saved = np.load(out)
+        # A pure stream: each worker parses every record of the 15 global batches (two
+        # passes of 200 and a batch of 32), not only its slice (8 or 24 of each 32), and
+        # what its pipeline reads ahead (a shuffle buffer of 64, a few batches: 513-600
+        # records in all were seen), never the global batches twice.
+        in_batches = 2 * EXAMPLES + BATCH
+        assert in_batches <= saved["reads"] < 2 * in_batches
         np.testing.assert_allclose(saved["loss"], keras_history.history["loss"], rtol=1e-5)
         weights = [saved[f"arr_{i}"] for i in range(len(reference.get_weights()))]
         for got, expected in zip(weights, reference.get_weights(), strict=True):
