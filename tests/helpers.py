@@ -62,18 +62,21 @@ def train(config):
     return result, lines
 
 
-def train_steps(config, devices, data, steps, spec=None):
+def train_steps(config, devices, data, steps, model=None):
     """A trainer of `config` on `devices` after `steps` steps on `data`'s stream of
-    batches (seed and batch size of `config`), and the last step's metrics."""
+    batches (seed and batch size of `config`), and the last step's metrics (its batch's:
+    the model's metrics are reset before each step)."""
     from tfdp.data import train_dataset
+    from tfdp.hooks.report import floats
     from tfdp.trainers import build_trainer
-    from tfdp.training import partition, step_metrics
+    from tfdp.training import partition
 
-    trainer = build_trainer(config, devices, partition(config, devices), spec)
+    trainer = build_trainer(config, devices, partition(config, devices), model)
     iterator = trainer.distribute(train_dataset(data, config.batch_size, config.seed))
     for _ in range(steps):
-        metrics = trainer.train_step(iterator)
-    return trainer, step_metrics(trainer.objective, metrics)
+        trainer.model.reset_metrics()
+        outputs = trainer.train_step(iterator)
+    return trainer, floats(outputs["logs"])
 
 
 def random_images(count, seed=0):

@@ -153,18 +153,6 @@ BAD_FLAGS = [
         "powers",
         (1.0, 2.0, 3.0),
     ),
-    (["--model=toy", "--mode=mirrored", "--logical_cpus=4", "--batch_size=3"], "batch_size", 3),
-    (
-        [
-            "--model=toy",
-            "--mode=mirrored",
-            "--mirrored_input=dataset",
-            "--logical_cpus=4",
-            "--batch_size=6",
-        ],
-        "batch_size",
-        6,
-    ),
     (["--model=toy", "--mode=mirrored", "--all_reduce=magic"], "all_reduce", "magic"),
     (
         [

@@ -9,7 +9,8 @@ from helpers import CPUS
 from tfdp import Config
 from tfdp.data import train_dataset
 from tfdp.trainers import build_trainer
-from tfdp.training import partition, step_metrics
+from tfdp.hooks.report import floats
+from tfdp.training import partition
 
 BATCH = 100
 SEED = 5
@@ -46,7 +47,7 @@ CASES = [
     ("weighted", CPUS[:2], (1, 5), {"reduce": "allreduce"}),
     ("weighted", CPUS[:4], (3, 1, 1, 1), {"reduce": "allreduce"}),
     ("weighted", CPUS[:2], (1, 5), {"simulate_slowdown": "cpu:1=2"}),  # delays still 0
-    # shards cut into side-by-side chains (steps.replica_gradients)
+    # shards cut into side-by-side chains (steps.DeviceWork)
     ("single", CPUS[:1], (), {"chains": 2}),
     ("single", CPUS[:1], (), {"chains": 3}),  # 100 = 34 + 33 + 33
     ("mirrored", CPUS[:3], (), {"chains": 2}),
@@ -75,11 +76,16 @@ def test_the_update_is_not_trivial(reference):
     assert not np.allclose(reference[1][0][0], reference[3][0][0], atol=1e-4)
 
 
-def test_weighted_places_each_copy_on_its_device():
+def test_weighted_runs_each_shard_on_its_device(images):
+    """The weights on device 0; each device's forward and backward pass on itself."""
     config = Config(mode="weighted", devices="all", batch_size=BATCH)
     trainer = build_trainer(config, CPUS, partition(config, CPUS))
-    for device, model in zip(CPUS, trainer.models):
-        assert all(w.value.device.endswith(device.lstrip("/")) for w in model.weights)
+    assert all(w.value.device.endswith("device:CPU:0") for w in trainer.model.weights)
+    iterator = trainer.distribute(train_dataset(images, BATCH, SEED))
+    graph = trainer._train_step.get_concrete_function(iterator).graph
+    convolutions = [op.device for op in graph.get_operations() if op.type == "Conv2D"]
+    assert sorted(set(convolutions)) == CPUS
+    assert len(convolutions) == 2 * len(CPUS)  # LeNet's two, on each device's shard
 
 
 @pytest.mark.parametrize(
@@ -96,7 +102,7 @@ def test_mirrored_shards_are_what_the_replicas_get(mirrored_input, shards, image
     assert trainer.shards == partition(config, CPUS[:3]) == shards
     batch = next(trainer.distribute(train_dataset(images, BATCH, SEED)))
     if mirrored_input == "split":
-        batch = trainer._split(batch)
+        batch = trainer._split(batch, trainer.shard_sizes)
     x, _ = batch
     assert [len(t) for t in trainer.strategy.experimental_local_results(x)] == shards
 
@@ -119,13 +125,14 @@ def test_resplits_and_slowdown_keep_the_update(reduce, images, reference):
     iterator = trainer.distribute(train_dataset(images, BATCH, SEED))
     for shards in ([50, 50], [80, 20], [10, 90]):
         trainer.set_shards(shards)
+        trainer.model.reset_metrics()
         metrics = trainer.train_step(iterator)
         # cpu:1 slept delay x its shard after its backward pass: a lower bound on its time.
         assert float(metrics["device_seconds"][1]) >= shards[1] * delay
     expected_weights, expected_metrics = reference[3]
     for got, expected in zip(trainer.get_weights(), expected_weights, strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-    assert step_metrics(trainer.objective, metrics)["accuracy"] == expected_metrics["accuracy"]
+    assert floats(metrics["logs"])["accuracy"] == expected_metrics["accuracy"]
 
 
 def test_set_shards_must_split_the_global_batch():

@@ -103,7 +103,7 @@ class FakeTrainer:
 def plan_on(devices, **settings):
     config = Config(model="toy", batch_size=8, **settings)
     train = (np.zeros((16, 2), np.float32), np.zeros((16,), np.int32))
-    return Plan(config, devices, [4, 4], None, train, None, 2, 4, 2)
+    return Plan(config, devices, [4, 4], None, "toy", train, None, 2, 4, 2)
 
 
 WARNING = (
@@ -135,32 +135,36 @@ def test_banner_is_quiet_otherwise(devices, settings):
 
 
 def test_master_weights_and_update_live_on_device_0():
-    """devices[0] is CPU:2 here, not TensorFlow's default CPU:0: its weights, optimizer state,
-    gradient sum and update are placed there; the other copy on its own device."""
-    from tfdp.models import BUILT_IN_INPUTS, built_in_spec
+    """devices[0] is CPU:2 here, not TensorFlow's default CPU:0: the model's weights,
+    optimizer state, gradient sum and update are placed there while it trains; the other
+    device computes its shard's forward and backward pass on its own; afterwards the
+    model's variables are where they were before."""
+    from tfdp.models import built_in
     from tfdp.trainers.weighted import WeightedTrainer
 
-    spec = built_in_spec(Config(model="toy"))
-    trainer = WeightedTrainer(spec, ["/device:CPU:2", CPU0], [3, 3])
-    master, copy = trainer.models
+    model = built_in(Config(model="toy"), build=True)
 
     def on(device, variables):
         return [v.value.device.endswith(device) for v in variables]
 
-    assert on("device:CPU:2", master.weights) == [True] * 4  # two kernels, two biases
+    assert on("device:CPU:0", model.weights) == [True] * 4  # two kernels, two biases
+    trainer = WeightedTrainer(model, ["/device:CPU:2", CPU0], [3, 3])
+    assert on("device:CPU:2", model.weights) == [True] * 4
     assert on("device:CPU:2", trainer.optimizer.variables) == [True] * 2
-    assert on("device:CPU:0", copy.weights) == [True] * 4
 
-    shape = BUILT_IN_INPUTS["toy"]
-    batch = (tf.zeros((6, *shape)), tf.zeros((6,), tf.int32))
+    batch = (tf.zeros((6, 128)), tf.zeros((6,), tf.int32))
     iterator = trainer.distribute(tf.data.Dataset.from_tensors(batch).repeat())
     trainer.train_step(iterator)
     graph = trainer._train_step.get_concrete_function(iterator).graph
     sums = [op.device for op in graph.get_operations() if op.type == "AddN"]
     updates = [op.device for op in graph.get_operations() if op.type == "AssignSubVariableOp"]
+    products = {op.device for op in graph.get_operations() if op.type == "MatMul"}
     assert len(updates) == 4  # plain SGD: one per trainable variable
     assert set(updates) == {"/device:CPU:2"}
     assert sums and set(sums) == {"/device:CPU:2"}
+    assert products == {"/device:CPU:2", "/device:CPU:0"}  # each device its own shard's
+    trainer.close()
+    assert on("device:CPU:0", model.weights) == [True] * 4
 
 
 # GPU memory set-up ----------------------------------------------------------------------

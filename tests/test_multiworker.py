@@ -269,7 +269,7 @@ join_cluster(config)
 trainer = build_trainer(config, workers, [8])
 arrays = data.make_toy_data(0, num_examples=50)
 iterator = trainer.distribute(data.train_dataset(arrays, 8, 1))
-loss = float(trainer.train_step(iterator)["loss"])
+loss = float(trainer.train_step(iterator)["logs"]["loss"])
 dataset = iterator._dataset
 read = {"iterator": type(iterator).__name__, "autotune": dataset.options().autotune.enabled}
 # arrays: the iterator gives example indices; the step gathers the worker's slice of them
@@ -283,7 +283,7 @@ def counted(indices):
     return gather(indices)
 iterator = trainer.distribute_indices(data.train_indices(arrays, 8, 1), counted)
 read["first"] = next(iter(iterator._dataset)).numpy().tolist()
-loss = float(trainer.train_step(iterator)["loss"])
+loss = float(trainer.train_step(iterator)["logs"]["loss"])
 read["gathered"] = gathered
 print(json.dumps(read))
 """
@@ -401,12 +401,13 @@ def test_bad_launch_flags(args, message):
 
 @pytest.mark.slow
 def test_launch_fails_when_a_worker_fails(tmp_path):
-    # Every worker refuses the batch size, after TensorFlow has started: status 2 comes back.
-    process = launch("--model=toy", "--batch_size=20000", timeout=120)
+    # Every worker refuses the data directory, after TensorFlow has started: status 2 comes back.
+    missing = tmp_path / "no_mnist_here"
+    process = launch(f"--mnist_dir={missing}", "--batch_size=64", timeout=120)
     assert process.returncode == 2
     for worker in (0, 1):
         assert any(
-            line.startswith("tfdp: error: --batch_size=20000: is larger than the 10000")
+            line.startswith(f"tfdp: error: --mnist_dir={missing}: MNIST directory not found")
             for line in worker_lines(process.stderr, worker)
         )
     assert "tfdp-launch: worker " in process.stderr

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from helpers import CPUS, launch, refusal, train
 
-from tfdp import Config, steps
-from tfdp.models import built_in_spec, initial_weights
+from tfdp import Config
+from tfdp.models import built_in, initial_weights
 
 BATCH = 100
 SEED = 5
@@ -50,9 +50,10 @@ def train_steps(mode, devices, powers, images, **options):
     config = Config(
         mode=mode, devices=",".join(devices), powers=powers, batch_size=BATCH, seed=SEED, **options
     )
-    spec = built_in_spec(config)
-    trainer, _ = helpers.train_steps(config, devices, images, STEPS, spec)
-    return trainer, spec.weights
+    model = built_in(config, build=True)
+    start = model.get_weights()
+    trainer, _ = helpers.train_steps(config, devices, images, STEPS, model)
+    return trainer, start
 
 
 @pytest.fixture(scope="module")
@@ -91,14 +92,13 @@ def test_every_mode_makes_the_update_of_single(
 @pytest.mark.slow
 def test_jit_compile_runs_the_step_as_an_xla_program(singles, images):
     trainer, _ = singles["jit"]
-    compiled = steps._compiled[trainer.model]
-    assert len(compiled) == 1  # one function for the model, whatever was traced
-    (function,) = compiled.values()
+    assert trainer.jit_compile
     x = images.images[:BATCH].astype(np.float32) / 255.0
-    hlo = function.experimental_get_compiler_ir((x, images.labels[:BATCH]), BATCH)(stage="hlo")
+    function = trainer._direct_step  # the model's own train_step, compiled by XLA
+    hlo = function.experimental_get_compiler_ir((x, images.labels[:BATCH]))(stage="hlo")
     assert "convolution(" in hlo  # LeNet's convolutions, lowered by XLA
     plain, _ = singles["bfloat16"]
-    assert plain.model not in steps._compiled
+    assert not plain.jit_compile and not hasattr(plain._direct_step, "experimental_get_compiler_ir")
     # XLA's kernels round differently from oneDNN's: the same math, not the same program
     float32, _ = train_steps("single", CPUS[:1], (), images)
     differences = [
@@ -115,7 +115,7 @@ def test_jit_compile_runs_the_step_as_an_xla_program(singles, images):
 def test_precision_sets_the_layers_policy_in_every_copy(switch, compute, images):
     settings, _ = SWITCHES[switch]
     trainer, _ = train_steps("weighted", CPUS[:2], (1, 3), images, **settings)
-    for model in trainer.models:
+    for model in [trainer.model]:
         weighted = [layer for layer in model.layers if layer.weights]
         assert len(weighted) == 4  # LeNet's two convolutions and two dense layers
         *layers, logits = model.layers
@@ -171,7 +171,7 @@ def test_the_flags_two_workers_make_the_update_of_single(flags, compute, toleran
         )
     )
     # XLA compiled the run's forward and backward exactly when --jit_compile is given
-    assert (fitted.model in steps._compiled) == ("--jit_compile" in flags)
+    assert fitted["jit_compile"] == ("--jit_compile" in flags)
     workers = launch(*TOY, *flags, f"--model_dir={tmp_path / 'workers'}", cwd=tmp_path, timeout=300)
     assert workers.returncode == 0, workers.stderr
     got, want = exported(tmp_path / "workers"), exported(tmp_path / "single")

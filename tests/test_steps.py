@@ -1,4 +1,4 @@
-"""A device's shard cut into side-by-side chains gives the shard's gradient."""
+"""A device's shard cut into side-by-side chains gives the shard's gradient and logs."""
 
 import numpy as np
 import pytest
@@ -6,29 +6,49 @@ import pytest
 
 @pytest.mark.parametrize("examples, chains", [(64, 2), (63, 4), (2, 3)])
 def test_chains_sum_to_the_whole_shard(examples, chains):
+    """The model's train_step on a shard cut into chains hands over the gradient of the
+    shard's part of a 1024-example batch's mean loss, recomputed here with a tape."""
     import tensorflow as tf
 
+    from tfdp import shards
     from tfdp.config import Config
     from tfdp.data import synthetic_mnist
-    from tfdp.models import build_model, built_in_spec
-    from tfdp.steps import replica_gradients
+    from tfdp.models import built_in
+    from tfdp.steps import DeviceWork
 
     arrays = synthetic_mnist(num_examples=examples)
     x = tf.constant(arrays.images / 255.0, tf.float32)
     y = tf.constant(arrays.labels, tf.int32)
-    model = build_model("lenet")
-    objective = built_in_spec(Config()).objective
-    step = tf.function(replica_gradients)
-    whole, whole_loss, whole_outputs = step(model, objective, (x, y), 1024)
-    parts, loss, outputs = step(model, objective, (x, y), 1024, chains)
-    for a, b in zip(whole, parts):
-        assert float(tf.reduce_max(tf.abs(a))) > 1e-6  # not vacuous
-        assert float(tf.reduce_max(tf.abs(a - b))) <= 1e-5 * float(tf.reduce_max(tf.abs(a)))
-    np.testing.assert_allclose(outputs.numpy(), whole_outputs.numpy(), rtol=1e-5, atol=1e-6)
-    assert float(loss) == pytest.approx(float(whole_loss), rel=1e-6)
-    # the loss is the batch's summed cross-entropy over 1024, recomputed from the logits
-    expected = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=whole_outputs)
-    assert float(loss) == pytest.approx(float(tf.reduce_sum(expected)) / 1024, rel=1e-5)
+    model = built_in(Config(), build=True)
+
+    def gradients(pieces):
+        work = DeviceWork(model, pieces)
+
+        @tf.function(autograph=False)
+        def step():
+            with shards.handing_over(model):
+                return work.train((x, y), 1024)[1]
+
+        model.reset_metrics()
+        return step(), model.get_metrics_result()
+
+    whole, whole_logs = gradients(1)
+    parts, logs = gradients(chains)
+    with tf.GradientTape() as tape:
+        mean = tf.reduce_mean(
+            tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=model(x))
+        )
+        loss = mean * examples / 1024
+    expected = tape.gradient(loss, model.trainable_variables)
+    for a, b, c in zip(whole, parts, expected):
+        assert float(tf.reduce_max(tf.abs(c))) > 1e-6  # not vacuous
+        scale = float(tf.reduce_max(tf.abs(c)))
+        assert float(tf.reduce_max(tf.abs(a - c))) <= 1e-5 * scale
+        assert float(tf.reduce_max(tf.abs(b - c))) <= 1e-5 * scale
+    # the logs: the shard's mean loss and accuracy, however it was cut
+    assert float(logs["loss"]) == pytest.approx(float(mean), rel=1e-5)
+    assert float(whole_logs["loss"]) == pytest.approx(float(mean), rel=1e-5)
+    assert float(logs["accuracy"]) == pytest.approx(float(whole_logs["accuracy"]), abs=1e-7)
 
 
 def test_cut_sizes_differ_by_at_most_one():

@@ -102,7 +102,7 @@ def test_evaluation_is_the_same_on_every_device_set(mnist_dir):
     from helpers import CPUS
 
     from tfdp.data import load_mnist_idx
-    from tfdp.models import build_model, built_in_spec
+    from tfdp.models import build_model, built_in
     from tfdp.trainers import build_trainer
     from tfdp.training import evaluate, partition
 
@@ -122,9 +122,9 @@ def test_evaluation_is_the_same_on_every_device_set(mnist_dir):
         ("weighted", CPUS[:2], (1, 5)),
     ]:
         config = Config(mode=mode, devices=",".join(devices), powers=powers, seed=1)
-        spec = built_in_spec(config)
-        trainer = build_trainer(config, devices, partition(config, devices), spec)
-        values = evaluate(trainer, spec, test, config.batch_size)
+        trainer = build_trainer(config, devices, partition(config, devices))
+        values = evaluate(trainer, test, config.batch_size)
+        trainer.close()
         assert values["accuracy"] == pytest.approx(expected, abs=1e-6), (
             mode,
             devices,

@@ -16,7 +16,7 @@ from helpers import tfdp as run_tfdp
 import tfdp
 from tfdp import Config, ConfigError
 from tfdp.data import train_dataset
-from tfdp.models import model_spec
+from tfdp.replicas import build
 
 BATCH = 60
 SEED = 3
@@ -70,8 +70,9 @@ def train_steps(mode, devices, powers, steps, data, make=two_input_model, **opti
         seed=SEED,
         **options,
     )
-    spec = model_spec(make, {"train_data": tfdp_first(data)})
-    return helpers.train_steps(config, devices, data, steps, spec)
+    model = make()
+    build(model, tfdp_first(data))
+    return helpers.train_steps(config, devices, data, steps, model)
 
 
 def tfdp_first(data, count=2):
@@ -229,11 +230,11 @@ def uncompiled():
 @pytest.mark.parametrize(
     "model, train, field, words",
     [
-        (uncompiled, None, "model", "is not a compiled Keras model"),
+        (uncompiled, None, "model", "is not compiled"),
         (lambda: 3, None, "model", "returned int, not a compiled Keras model"),
         (two_input_model, "short", "x", "leaves of different lengths"),
-        (two_input_model, "labels", "x", "labels do not fit the model's outputs"),
-        (two_input_model, "inputs", "x", "does not fit the model's inputs"),
+        (two_input_model, "labels", "x", "does not fit the model"),
+        (two_input_model, "inputs", "x", "does not fit the model"),
     ],
 )
 def test_bad_models_and_data_are_refused_before_training(model, train, field, words, data):
@@ -328,10 +329,10 @@ def test_cli_trains_a_model_and_dataset_named_by_module_and_function(user_file, 
     [
         ("{f}:missing", "{f}:data", "--model={f}:missing: {f} has no function missing"),
         ("nowhere_module_xyz:make", "{f}:data", "--model=nowhere_module_xyz:make: cannot import"),
-        ("{f}:uncompiled", "{f}:data", "is not a compiled Keras model"),
+        ("{f}:uncompiled", "{f}:data", "is not compiled; call model.compile("),
         ("{f}:not_a_model", "{f}:data", "returned str, not a compiled Keras model"),
         ("{f}:compiled", "{f}:ragged", "has leaves of different lengths [199, 200]"),
-        ("{f}:compiled", "{f}:wide_labels", "labels do not fit the model's outputs"),
+        ("{f}:compiled", "{f}:wide_labels", "does not fit the model (ValueError: "),
     ],
 )
 def test_cli_refuses_bad_user_models_and_data(model, dataset, words, user_file, tmp_path):

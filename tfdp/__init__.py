@@ -30,7 +30,6 @@ _LAZY = {
     "lenet": "tfdp.models",
     "toy_mlp": "tfdp.models",
     "initial_weights": "tfdp.models",
-    "model_spec": "tfdp.models",
     "load_mnist": "tfdp.data",
     "make_toy_data": "tfdp.data",
     "train_dataset": "tfdp.data",

@@ -195,8 +195,15 @@ class Config:
     )
     jit_compile: bool = setting(
         False,
-        "Compile each device's forward and backward pass with XLA, in every mode. The host "
-        "clock of --powers=auto and --rebalance_every stays outside it.",
+        "Compile each device's forward and backward pass with XLA, in every mode (a model of "
+        "your own compiled with jit_compile=True gets it without this flag). The host clock of "
+        "--powers=auto and --rebalance_every stays outside it.",
+    )
+    finite_guard: bool = setting(
+        True,
+        "Stop at the first logged step whose loss is not finite, and never save non-finite "
+        "weights; the last good checkpoint stands. --nofinite_guard trains on, as Keras fit "
+        "does (tfdp.fit's default; keras.callbacks.TerminateOnNaN stops it).",
     )
     precision: str = setting(
         "float32",
@@ -244,8 +251,9 @@ def validate(config: Config) -> None:
     _choice(config, "reduce", REDUCES)
     _choice(config, "collective", COLLECTIVES)
     _choice(config, "precision", PRECISIONS)
-    if not isinstance(config.jit_compile, bool):
-        raise ConfigError("jit_compile", config.jit_compile, "must be True or False")
+    for field in ("jit_compile", "finite_guard"):
+        if not isinstance(getattr(config, field), bool):
+            raise ConfigError(field, getattr(config, field), "must be True or False")
     for field in ("batch_size", "hidden_units", "checkpoint_every", "keep_checkpoints"):
         _positive_int(config, field)
     log_every = config.log_every

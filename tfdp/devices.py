@@ -14,7 +14,7 @@ _DEVICE_RE = re.compile(r"^/?(?:device:)?(cpu|gpu)(?::(\d+))?$", re.IGNORECASE)
 _WORKER_RE = re.compile(r"^(chief|worker):\d+$")
 
 
-def split_batch(global_batch: int, powers: Sequence[float]) -> list[int]:
+def split_batch(global_batch: int, powers: Sequence[float], few: bool = False) -> list[int]:
     """Splits `global_batch` examples across devices in proportion to `powers`.
 
     Largest-remainder rounding: every device first gets the floor of its exact
@@ -27,13 +27,16 @@ def split_batch(global_batch: int, powers: Sequence[float]) -> list[int]:
     Args:
         global_batch: examples in one global mini-batch.
         powers: one positive, finite relative speed per device.
+        few: a batch with fewer examples than devices is split too (some devices
+            get none, as tf.distribute leaves a replica without examples).
 
     Returns:
         The number of examples for each device, in the order of `powers`.
 
     Raises:
         ConfigError: on empty, zero, negative or non-finite powers, or when some
-            device would get no example.
+            device would get no example (unless `few` and the batch is smaller than
+            the devices).
     """
     powers = list(powers)
     if not powers:
@@ -47,7 +50,8 @@ def split_batch(global_batch: int, powers: Sequence[float]) -> list[int]:
             )
     if isinstance(global_batch, bool) or not isinstance(global_batch, int):
         raise ConfigError("global_batch", global_batch, "must be an integer")
-    if global_batch < len(powers):
+    few = few and global_batch < len(powers)
+    if global_batch < len(powers) and not few:
         raise ConfigError(
             "global_batch",
             global_batch,
@@ -68,7 +72,7 @@ def split_batch(global_batch: int, powers: Sequence[float]) -> list[int]:
     for i in by_remainder[:missing]:
         shares[i] += 1
 
-    if min(shares) == 0:
+    if min(shares) == 0 and not few:
         starved = shares.index(0)
         raise ConfigError(
             "powers",

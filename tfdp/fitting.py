@@ -113,6 +113,7 @@ def fit(
             "steps_per_epoch": steps_per_epoch,
             "shuffle": shuffle,
             "log_every": 0,  # Keras' progress bar shows the training
+            "finite_guard": False,  # Keras trains on a non-finite loss (TerminateOnNaN stops)
         }
         try:
             config = Config(
@@ -141,10 +142,7 @@ def fit(
         history.history = dict(result.get("history") or {})
         history.epoch = list(result.get("epochs") or [])
         history.set_model(result.model)
-    if isinstance(model, keras.Model):
-        model.set_weights(result.model.get_weights())
-        model.history = history
-        model.stop_training = result.model.stop_training
+    result.model.history = history
     history.result = result
     return history
 

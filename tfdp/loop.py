@@ -1,4 +1,4 @@
-"""The training loop: take a batch, step, hooks.
+"""The training loop: take a batch (or `steps_per_execution` of them), step, hooks.
 
 `Run` is what the loop and its hooks share. A `Hook` acts at the points of the
 loop Keras callbacks know (train, epoch, step); `Hooks` calls a list of them in
@@ -41,7 +41,10 @@ class Run:
       log: where the run's lines go (`say` clears the progress line first).
       start_step: the step the run starts (or resumes) at.
       step: steps done so far, which is also the input position.
-      outputs: the last step's outputs, as the trainer returned them (tensors).
+      outputs: the last execution's outputs, as the trainer returned them (tensors):
+        `logs`, the model's logs after its last step, and `device_seconds`.
+      first_step: the first step of the last execution (several steps, with the model's
+        `steps_per_execution`, run in one compiled call).
       stopping: a hook asks the loop to stop after this step (and its epoch's end).
       result: what the hooks add to the run's result.
       progress: the live progress line, if any (`observe.Progress`).
@@ -57,6 +60,7 @@ class Run:
     start_step: int = 0
     step: int = 0
     outputs: dict | None = None
+    first_step: int = 0
     stopping: bool = False
     result: dict = dataclasses.field(default_factory=dict)
     progress: object = None
@@ -84,6 +88,23 @@ class Run:
         first = (epoch - self.plan.initial_epoch) * self.plan.steps_per_epoch
         end = min(first + self.plan.steps_per_epoch, self.plan.total_steps)
         return range(max(first, self.start_step), end)
+
+    def executions(self, epoch: int):
+        """The steps of `epoch` not yet run, as (first, end) ranges each run in one
+        compiled call: `steps_per_execution` steps (Keras' batch hooks see one batch per
+        call), fewer where the epoch ends, and a step tfdp's hooks act after (a logged
+        step, a checkpoint, an evaluation) alone at its place."""
+        steps = self.steps(epoch)
+        every = self.plan.steps_per_execution
+        first = steps.start
+        for step in steps:
+            alone = self.plan.acts_after(step)
+            if alone and step > first:  # the steps before it, then it alone
+                yield first, step
+                first = step
+            if alone or step + 1 - first == every or step + 1 == steps.stop:
+                yield first, step + 1
+                first = step + 1
 
     def batch_in_epoch(self, step: int) -> int:
         return step % self.plan.steps_per_epoch
@@ -161,11 +182,12 @@ def train_loop(run: Run, hooks: Hook) -> None:
             if run.stopping:  # e.g. a run a callback had stopped, resumed
                 break
             hooks.on_epoch_begin(run, epoch)
-            for step in run.steps(epoch):
-                hooks.on_step_begin(run, step)
-                run.outputs = run.trainer.train_step(run.iterator)
-                run.step = step + 1
-                hooks.on_step_end(run, step)
+            for first, end in run.executions(epoch):
+                run.first_step = first
+                hooks.on_step_begin(run, first)
+                run.outputs = run.trainer.train_step(run.iterator, end - first)
+                run.step = end
+                hooks.on_step_end(run, end - 1)
                 if run.stopping:
                     break
             hooks.on_epoch_end(run, epoch)

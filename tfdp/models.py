@@ -1,14 +1,10 @@
-"""Models as tfdp trains them: a factory of compiled Keras copies, the initial weights
-every copy starts from, and the objective; the tutorial's two networks are the
-built-in factories.
+"""Models as tfdp trains them: any compiled Keras model, or a function that returns one;
+the tutorial's two networks are the built-in ones.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-from typing import Callable
 
 import keras
 import numpy as np
@@ -156,146 +152,66 @@ def compiled(
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
+        jit_compile=False,  # tfdp's --jit_compile decides
     )
     return model
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """A model as every mode builds it.
+def the_model(model, field: str = "model", source=None, precision: str = "float32"):
+    """The Keras model to train: `model` itself (any compiled Keras model: Functional,
+    Sequential, subclassed, a Keras Trainer that is a layer), or what `model`, a function
+    of no arguments, returns, built under the Keras dtype policy `precision`.
 
-    Attributes:
-      make: returns a fresh compiled copy; a mode calls it where it needs one
-        (in a strategy's scope, under a device).
-      weights: the initial weights every copy is set to.
-      objective: the compiled loss per shard and the metrics (objective.py).
-      name: for the banner and result.
-      batch_statistics: the model has layers whose output depends on the batch
-        (batch normalization): cutting a shard into chains would change them.
-      jit_compile: every mode compiles each device's forward and backward
-        with XLA (`steps.xla_gradients`).
-    """
-
-    make: Callable[[], keras.Model]
-    weights: list
-    objective: object
-    name: str
-    batch_statistics: bool
-    jit_compile: bool = False
-
-
-def model_spec(
-    model,
-    samples: dict,
-    field: str = "model",
-    source=None,
-    precision: str = "float32",
-    jit_compile: bool = False,
-) -> ModelSpec:
-    """The ModelSpec of `model`: a compiled Keras model, or a function of no arguments
-    that returns one.
-
-    precision: the Keras dtype policy a function's models are built under
-    (`dtype_policy`); Keras' `compile` then wraps the optimizer of a
-    mixed_float16 model in a LossScaleOptimizer. A model object keeps the
-    dtypes it was built with, so it takes only float32 here.
-    jit_compile: XLA for each device's forward and backward pass.
-
-    One copy is built on the host and checked against `samples` ({setting: a
-    few examples}): its inputs, its labels and its compiled loss. A model
-    object is copied with `keras.models.clone_model` and recompiled with a
-    fresh optimizer of the same config; its current weights are every copy's
-    initial weights. A function is called for every copy; its first copy's
-    weights are every copy's initial weights.
+    A model object keeps the dtypes it was built with, so it takes only float32 here.
 
     Raises:
-      ConfigError: naming `field` (or the setting of a sample) and what is wrong.
+      ConfigError: naming `field` and what is wrong.
     """
-    import tensorflow as tf
+    from keras.src.trainers.trainer import Trainer
 
-    from tfdp.objective import Objective
+    from tfdp.replicas import check_model
 
     label = source or getattr(model, "name", None) or repr(model)
-    with tf.device("/device:CPU:0"):
-        if isinstance(model, keras.Model):
-            if precision != "float32":
-                raise ConfigError(
-                    "precision",
-                    precision,
-                    "needs a function that builds the model, so that tfdp builds it under "
-                    "the policy; a model object keeps the dtypes it was built with",
-                )
-            make, first = _copier(model, field), model
-        elif callable(model):
-            make = functools.partial(_made_by, model, field, label, precision)
-            first = make()
-        else:
+    if isinstance(model, Trainer):
+        if precision != "float32":
             raise ConfigError(
-                field, label, "must be a compiled Keras model or a function that returns one"
+                "precision",
+                precision,
+                "needs a function that builds the model, so that tfdp builds it under "
+                "the policy; a model object keeps the dtypes it was built with",
             )
-        objective = None
-        for setting, batch in samples.items():
-            if objective is None:
-                objective = Objective(first, batch, setting)
-            else:
-                objective.check(first, batch, setting)
-        weights = first.get_weights()
-    return ModelSpec(
-        make, weights, objective, first.name, _has_batch_statistics(first), jit_compile
-    )
-
-
-def _made_by(function, field, label, precision="float32"):
-    try:
-        with dtype_policy(precision):
-            model = function()
-    except Exception as error:  # the user's code: any error, reported on one line
-        raise ConfigError(field, label, f"raised {type(error).__name__}: {error}") from None
-    if not isinstance(model, keras.Model):
+    elif callable(model):
+        try:
+            with dtype_policy(precision):
+                model = model()
+        except ConfigError:
+            raise
+        except Exception as error:  # the user's code: any error, reported on one line
+            raise ConfigError(field, label, f"raised {type(error).__name__}: {error}") from None
+        if not isinstance(model, Trainer):
+            raise ConfigError(
+                field, label, f"returned {type(model).__name__}, not a compiled Keras model"
+            )
+    else:
         raise ConfigError(
-            field, label, f"returned {type(model).__name__}, not a compiled Keras model"
+            field, label, "must be a compiled Keras model or a function that returns one"
         )
+    check_model(model, field)
     return model
 
 
-def _copier(model, field):
-    """A function that returns compiled copies of `model` (its structure, its compile
-    settings, a fresh optimizer of the same config)."""
-    from tfdp.objective import compile_settings
-
-    settings = compile_settings(model)
-    try:
-        keras.models.clone_model(model)
-    except Exception as error:  # subclassed models without get_config cannot be cloned
-        raise ConfigError(
-            field,
-            model.name,
-            f"cannot be copied by keras.models.clone_model ({type(error).__name__}); "
-            "pass a function that builds and compiles it instead",
-        ) from None
-
-    def make():
-        copy = keras.models.clone_model(model)
-        optimizer = model.optimizer.__class__.from_config(model.optimizer.get_config())
-        copy.compile(**{**settings, "optimizer": optimizer})
-        return copy
-
-    return make
-
-
-def _has_batch_statistics(model) -> bool:
+def has_batch_statistics(model) -> bool:
+    """Whether the model has layers whose output depends on the batch (batch
+    normalization): cutting a shard into chains would change them."""
     return any(
         isinstance(layer, keras.layers.BatchNormalization) for layer in model._flatten_layers()
     )
 
 
-def built_in_spec(config, samples: dict | None = None) -> ModelSpec:
-    """The ModelSpec of the config's built-in model (`samples`: as in `model_spec`; None:
-    zeros of the model's input shape)."""
-    import tensorflow as tf
-
-    make = functools.partial(
-        compiled,
+def built_in(config, build: bool = False):
+    """The config's built-in model, compiled as the tutorial trains it; with `build`, its
+    variables made (for a caller without data at hand)."""
+    model = compiled(
         config.model,
         config.init,
         config.seed,
@@ -303,11 +219,14 @@ def built_in_spec(config, samples: dict | None = None) -> ModelSpec:
         config.learning_rate,
         config.precision,
     )
-    if samples is None:
+    if build:
+        import tensorflow as tf
+
+        from tfdp.replicas import build as build_model_on
+
         shape = BUILT_IN_INPUTS[config.model]
-        samples = {"dataset": (tf.zeros((2, *shape), tf.float32), tf.zeros((2,), tf.int32))}
-    spec = model_spec(make, samples, source=config.model)
-    return dataclasses.replace(spec, jit_compile=config.jit_compile)
+        build_model_on(model, (tf.zeros((2, *shape), tf.float32), tf.zeros((2,), tf.int32)))
+    return model
 
 
 def build_model(

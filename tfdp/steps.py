@@ -1,104 +1,164 @@
-"""The per-replica math every mode shares: one shard's forward and backward."""
+"""What every mode does on one device: the model's own steps on its shard of the batch.
+
+`DeviceWork` runs `model.train_step` on a device's shard, cut into side-by-side
+pieces (chains), each weighed by its examples (shards.py), and returns the
+gradients the pieces handed over, summed, for the mode to reduce and apply;
+`test` runs `model.test_step` likewise. The cutting of a global batch into
+shards (`split`, `shard_sizes_for`) is here too, so that every mode cuts alike.
+"""
 
 from __future__ import annotations
 
 import time
-import weakref
 
 import numpy as np
 import tensorflow as tf
 
-from tfdp.objective import num_examples
+from tfdp import shards as shards_lib
 
 
-def replica_gradients(model, objective, batch, global_batch_size, chains=1, jit_compile=False):
-    """Forward and backward on one device's shard of the global batch.
+def num_examples(batch) -> tf.Tensor:
+    """The examples in a batch: the length of its first leaf."""
+    return tf.shape(tf.nest.flatten(batch)[0])[0]
 
-    The loss is the shard's part of the global batch's loss
-    (`Objective.shard_loss`): its *summed* per-example losses divided by the
-    *global* batch size, so summing these gradients over all shards gives the
-    gradient of the whole batch's mean loss, however the batch was split. This
-    is the tutorial's `grad / batch_size` with the division moved into the loss.
 
-    chains: the shard is cut into this many near-equal parts whose forward and
-      backward passes are independent ops, summed at the end. TensorFlow runs
-      them side by side, so a CPU device keeps several cores busy with
-      one-threaded kernels (see `devices.default_chains`). The sum is the
-      shard's gradient, to float rounding, for any shard size (for models
-      without batch statistics: tfdp picks 1 chain for those).
-    jit_compile: the whole forward and backward (all its chains) is one XLA
-      program (`xla_gradients`), compiled for each shard shape it meets.
+class DeviceWork:
+    """One device's part of a step: the model's train_step (or test_step) on its shard.
 
-    Returns:
-      (gradients, loss, predictions): one gradient per trainable variable, the
-      shard's part of the loss (parts add up across shards) and its outputs.
+    Args:
+      model: the Keras model (any kind); its steps run as the model defines them.
+      chains: pieces each shard is cut into, run side by side: a CPU device keeps
+        several cores busy with one-threaded kernels (`devices.default_chains`).
+        The pieces' gradients add up to the shard's (shards.py), for models without
+        batch statistics (tfdp picks 1 chain for those).
+      jit_compile: each piece's forward and backward pass is one XLA program.
+      timed: read the host clock when the shard is there and when its gradients are
+        ready (`seconds`); False leaves the clock out.
+      may_be_empty: a shard may hold no examples (a batch smaller than the devices):
+        its pieces are then skipped (a kernel such as oneDNN's max-pooling gradient
+        does not take an empty batch).
     """
-    if jit_compile:
-        return xla_gradients(model, objective, chains)(batch, global_batch_size)
-    if chains == 1:
-        return _chain_gradients(model, objective, batch, global_batch_size)
-    parts = cut(batch, chains)
-    results = [_chain_gradients(model, objective, parts[0], global_batch_size)]
-    static = tf.nest.flatten(batch)[0].shape[0]
-    for part in parts[1:]:
-        if static is not None and static >= chains:  # no part is empty
-            results.append(_chain_gradients(model, objective, part, global_batch_size))
-            continue
-        # A shard with fewer examples than chains leaves the last parts empty,
-        # which a convolution does not take: those add nothing.
-        results.append(
-            tf.cond(
-                num_examples(part) > 0,
-                lambda part=part: _chain_gradients(model, objective, part, global_batch_size),
-                lambda: _nothing(model, results[0][2]),
-            )
-        )
-    gradients = [tf.add_n(list(g)) for g in zip(*[g for g, _, _ in results])]
-    loss = tf.add_n([loss for _, loss, _ in results])
-    predictions = tf.nest.map_structure(
-        lambda *leaves: tf.concat(leaves, axis=0), *[p for _, _, p in results]
-    )
-    return gradients, loss, predictions
+
+    def __init__(self, model, chains=1, jit_compile=False, timed=False, may_be_empty=False):
+        self.model = model
+        self.chains = chains
+        self.jit_compile = jit_compile
+        self.timed = timed
+        self.may_be_empty = may_be_empty
+        self.variables = None  # of the gradients, in order (known once traced)
+        self.weighed = False  # a piece's own loss was weighed by its examples (shards.py)
+        run = self._train_piece
+        test = shards_lib.test_piece
+        if jit_compile:
+            run = tf.function(run, jit_compile=True, autograph=False)
+            test = tf.function(test, jit_compile=True, autograph=False)
+        self._run, self._test = run, test
+
+    def train(self, shard, examples, delay_per_example=None):
+        """The model's train_step on `shard` of a global batch of `examples`, without the
+        update: (its logs, its summed gradients (one per `self.variables`), whether it
+        held examples, its seconds)."""
+        n = num_examples(shard)
+        start = None
+        if self.timed or delay_per_example is not None:
+            start = _clock(tf.nest.flatten(shard)[0])
+            with tf.control_dependencies([start]):  # the work starts after the clock is read
+                shard = tf.nest.map_structure(tf.identity, shard)
+        parts = cut(shard, self.chains) if self.chains > 1 else [shard]
+        logs, gradients = None, None
+        for index, part in enumerate(parts):
+            guarded = self.may_be_empty or index > 0  # the later pieces of a small shard
+            part_logs, part_gradients = self._piece(part, examples, guarded)
+            if logs is None:
+                logs, gradients = part_logs, part_gradients
+                continue
+            size = num_examples(part)
+            logs = tf.nest.map_structure(lambda new, old: tf.where(size > 0, new, old), part_logs, logs)
+            gradients = [g + p for g, p in zip(gradients, part_gradients)]
+        seconds = tf.constant(0.0, tf.float64)
+        if start is not None:
+            end = _clock(*gradients) if gradients else _clock(n)
+            if delay_per_example is not None:
+                end = tf.numpy_function(
+                    _sleep_then_clock,
+                    [end, tf.cast(n, tf.float64) * delay_per_example],
+                    tf.float64,
+                    stateful=False,
+                )
+            with tf.control_dependencies([end]):
+                gradients = [tf.identity(g) for g in gradients]  # released once the clock is read
+            seconds = end - start
+        return logs, gradients, n > 0, seconds
+
+    def _piece(self, part, examples, guarded):
+        fraction = tf.cast(num_examples(part), tf.float32) / tf.cast(examples, tf.float32)
+        if not guarded:
+            return self._run(part, fraction)
+        traced = {}
+
+        def run():
+            logs, gradients = self._run(part, fraction)
+            traced["logs"] = logs
+            return logs, gradients
+
+        def nothing():  # traced after `run` (tf.cond traces the true branch first)
+            zeros = tf.nest.map_structure(tf.zeros_like, traced["logs"])
+            return zeros, [tf.zeros_like(v) for v in self.variables]
+
+        return tf.cond(num_examples(part) > 0, run, nothing)
+
+    def _train_piece(self, part, fraction):
+        logs, handed, scaled = shards_lib.train_piece(self.model, part, fraction)
+        if not scaled:
+            self.weighed = True
+        pairs = handed.pairs()
+        variables = [v for _, v in pairs]
+        if self.variables is None:
+            self.variables = variables
+        elif [id(v) for v in variables] != [id(v) for v in self.variables]:
+            raise ValueError("the model's train_step handed over other variables on another piece")
+        logs = tf.nest.map_structure(tf.convert_to_tensor, logs)
+        return logs, [g for g, _ in pairs]
+
+    def test(self, shard, examples):
+        """The model's test_step on `shard` of a batch of `examples`: its logs (zeros for a
+        shard without examples, which the caller leaves out). Evaluation batches may be
+        smaller than the devices, so a shard may always be empty."""
+        fraction = tf.cast(num_examples(shard), tf.float32) / tf.cast(examples, tf.float32)
+        traced = {}
+
+        def run():
+            traced["logs"] = _tensors(self._test(self.model, shard, fraction))
+            return traced["logs"]
+
+        def nothing():
+            return tf.nest.map_structure(tf.zeros_like, traced["logs"])
+
+        return tf.cond(num_examples(shard) > 0, run, nothing)
 
 
-_compiled = weakref.WeakKeyDictionary()  # model -> {(objective id, chains): XLA function}
+def _tensors(logs):
+    return tf.nest.map_structure(tf.convert_to_tensor, logs)
 
 
-def xla_gradients(model, objective, chains=1):
-    """`replica_gradients` of `model` as one function compiled by XLA
-    (tf.function(jit_compile=True)): (batch, global_batch_size) -> its results.
-
-    One function per model copy, objective and chains, made once: every trace of
-    a step that calls it embeds the same function, and XLA compiles it once per
-    shard shape. It holds only the math: the host clock and the simulated
-    slowdown (`timed_replica_gradients`) stay outside, as XLA cannot compile a
-    call back into Python (tf.numpy_function).
-    """
-    functions = _compiled.setdefault(model, {})
-    key = (id(objective), chains)
-    if key not in functions:
-        functions[key] = tf.function(
-            lambda batch, global_batch_size: replica_gradients(
-                model, objective, batch, global_batch_size, chains
-            ),
-            jit_compile=True,
-        )
-    return functions[key]
+def merged_logs(model, per_device, has_examples):
+    """A step's logs from its devices' (in a local trainer): the metrics' values read
+    after every device's update (the whole batch's running values), and the model's
+    other logs from the last device that held examples."""
+    logs = per_device[0]
+    for device_logs, held in zip(per_device[1:], has_examples[1:]):
+        logs = tf.nest.map_structure(lambda new, old: tf.where(held, new, old), device_logs, logs)
+    return with_metrics(model, logs)
 
 
-def _chain_gradients(model, objective, batch, global_batch_size):
-    optimizer = getattr(model, "optimizer", None)  # a compiled model: its loss scaling
-    with tf.GradientTape() as tape:
-        loss, predictions = objective.shard_loss(model, batch, global_batch_size)
-        scaled = optimizer.scale_loss(loss) if optimizer is not None else loss
-    gradients = tape.gradient(scaled, model.trainable_variables)
-    return gradients, loss, predictions
-
-
-def _nothing(model, like):
-    """What an empty chain adds: zero gradients and loss, no predictions (shaped as `like`'s)."""
-    zeros = [tf.zeros_like(v) for v in model.trainable_variables]
-    return zeros, tf.constant(0.0), tf.nest.map_structure(lambda p: p[:0], like)
+def with_metrics(model, logs):
+    """`logs` with each entry that is one of the model's metrics read from the metric
+    itself (in a strategy's cross-replica context: summed over the replicas), as Keras'
+    fit reads them at an epoch's end."""
+    if not isinstance(logs, dict):
+        return logs
+    results = model.get_metrics_result()
+    return {name: results.get(name, value) for name, value in logs.items()}
 
 
 def cut(batch, parts):
@@ -156,88 +216,16 @@ def clip_before_all_reduce(optimizer, gradients):
     part is within its bound) and its sum is the clipped sum. Without
     clipping, the gradients go as they are (no extra all-reduce).
     """
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     if not any(
         getattr(optimizer, name, None) for name in ("clipnorm", "clipvalue", "global_clipnorm")
     ):
         return gradients
     context = tf.distribute.get_replica_context()
     summed = context.all_reduce(tf.distribute.ReduceOp.SUM, gradients)
-    clipped = optimizer._clip_gradients(summed)  # Keras' own clipping rule
+    clipped = optimizer._clip_gradients(summed)  # noqa: SLF001 - Keras' own clipping rule
     replicas = tf.cast(context.num_replicas_in_sync, clipped[0].dtype)
     return [g / replicas for g in clipped]
-
-
-def micro_batch_gradients(model, objective, batch, global_batch_size, pieces, side_by_side):
-    """`replica_gradients` of `pieces` equal micro-batches of `batch`, summed: (gradients, loss).
-
-    The batch must divide into `pieces`. The sum is the whole batch's gradient,
-    to float rounding.
-
-    side_by_side: the micro-batches' ops are independent, and TensorFlow may
-    run them at the same time; else they run one after another (a tf.range loop).
-    """
-    if side_by_side:
-        gradients, loss, _ = replica_gradients(model, objective, batch, global_batch_size, pieces)
-        return gradients, loss
-    stacked = tf.nest.map_structure(lambda t: tf.reshape(t, [pieces, -1, *t.shape[1:]]), batch)
-    gradients = [tf.zeros_like(v) for v in model.trainable_variables]
-    loss = tf.constant(0.0)
-    for i in tf.range(pieces):
-        part = tf.nest.map_structure(lambda t: t[i], stacked)
-        part_gradients, part_loss, _ = replica_gradients(model, objective, part, global_batch_size)
-        gradients = [g + p for g, p in zip(gradients, part_gradients)]
-        loss += part_loss
-    return gradients, loss
-
-
-def timed_replica_gradients(
-    model,
-    objective,
-    batch,
-    global_batch_size,
-    delay_per_example=None,
-    chains=1,
-    timed=True,
-    jit_compile=False,
-):
-    """`replica_gradients`, plus the seconds this device spent on them.
-
-    The seconds are read from the host clock in the step itself, when the
-    shard is there and when its last gradient is ready, so every device is
-    timed as it runs alongside the others.
-
-    Args:
-      delay_per_example: a simulated slowdown (a scalar tensor, seconds): after
-        its backward pass the device sleeps this long per example of its
-        shard. A sleep uses no core, so the other devices keep their speed.
-      timed: False leaves the clock out (the seconds are 0).
-      jit_compile: XLA compiles the forward and backward; the clock reads
-        around it stay outside, on the host.
-
-    Returns:
-      (gradients, loss, predictions, seconds).
-    """
-    if not timed and delay_per_example is None:
-        gradients, loss, predictions = replica_gradients(
-            model, objective, batch, global_batch_size, chains, jit_compile
-        )
-        return gradients, loss, predictions, tf.constant(0.0, tf.float64)
-    first = tf.nest.flatten(batch)[0]
-    start = _clock(first)
-    with tf.control_dependencies([start]):  # the forward pass starts after the clock is read
-        batch = tf.nest.map_structure(tf.identity, batch)
-    gradients, loss, predictions = replica_gradients(
-        model, objective, batch, global_batch_size, chains, jit_compile
-    )
-    end = _clock(*gradients)
-    if delay_per_example is not None:
-        examples = tf.cast(num_examples(batch), tf.float64)
-        end = tf.numpy_function(
-            _sleep_then_clock, [end, examples * delay_per_example], tf.float64, stateful=False
-        )
-    with tf.control_dependencies([end]):
-        gradients = [tf.identity(g) for g in gradients]  # released once the clock is read
-    return gradients, loss, predictions, end - start
 
 
 def _clock(*tensors):

@@ -17,7 +17,7 @@ from typing import Callable
 import tensorflow as tf
 
 from tfdp import data as data_lib
-from tfdp import onednn, sources, streams
+from tfdp import onednn, replicas, sources, streams
 from tfdp.checkpoints import check_model_dir, export_model, write_atomically
 from tfdp.config import AUTO, DATASETS, DEFAULT_ITERATIONS, MODELS, Config
 from tfdp.devices import (
@@ -39,13 +39,11 @@ from tfdp.hooks.report import (
     TutorialLog,
     learning_rate,
     schedule_of,
-    step_metrics,  # noqa: F401 (tfdp.training.step_metrics)
 )
 from tfdp.hooks.stopping import StopOnSignal
 from tfdp.hooks.summaries import TrainSummaries
 from tfdp.lock import ModelDirLock
 from tfdp.loop import Hooks, Run, train_loop
-from tfdp.models import ModelSpec
 from tfdp.observe import Progress, Summaries
 from tfdp.signals import StopSignals
 from tfdp.trainers import build_trainer
@@ -67,7 +65,8 @@ class Plan:
     config: Config
     devices: list[str]
     shards: list[int]
-    spec: ModelSpec
+    model: object  # the compiled, built Keras model, trained in place
+    model_name: str
     train_data: object  # data_lib.Arrays, a nested structure of arrays, or a streams.Stream
     test_data: object  # the same, or None: no evaluation
     batches_per_pass: int
@@ -84,6 +83,13 @@ class Plan:
     def examples(self) -> int | None:
         """Examples of a pass (None: a stream whose length is not known)."""
         return data_lib.size(self.train_data)
+
+    @property
+    def smallest_batch(self) -> int:
+        """The fewest examples a global batch of the run holds (1: a stream's may be any)."""
+        if data_lib.is_stream(self.train_data):
+            return 1 if self.train_data.examples is None else self.last_batch
+        return min(self.config.batch_size, self.last_batch)
 
     @property
     def last_batch(self) -> int:
@@ -112,6 +118,21 @@ class Plan:
         """Whether step `step` (counted from 0) is one `log_every` logs."""
         every = self.config.log_every
         return bool(every) and step % every == 0
+
+    @property
+    def steps_per_execution(self) -> int:
+        """Steps run in one compiled call: the model's `steps_per_execution` (Keras')."""
+        return max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
+
+    def acts_after(self, step: int) -> bool:
+        """Whether tfdp's hooks act after step `step` (counted from 0): a logged step, a
+        checkpoint or an evaluation is due; such a step runs in a call of its own."""
+        config, done = self.config, step + 1
+        return (
+            self.logs(step)
+            or bool(config.model_dir and done % config.checkpoint_every == 0)
+            or bool(config.eval_every and done % config.eval_every == 0)
+        )
 
     def is_log_point(self, step: int) -> bool:
         """Whether the step's metrics are read: a logged step, or the last."""
@@ -144,24 +165,10 @@ def partition(config: Config, devices: list[str]) -> list[int]:
     n, batch = len(devices), config.batch_size
     if config.mode == "single" and n != 1:
         raise ConfigError("devices", config.devices, f"mode single runs on one device, got {n}")
-    if batch < n:
-        raise ConfigError(
-            "batch_size",
-            batch,
-            f"is smaller than the number of devices ({n}); every device needs at least one example",
-        )
     if config.mode == "mirrored" and config.mirrored_input == "split":
-        return split_batch(batch, (1.0,) * n)
+        return split_batch(batch, (1.0,) * n, few=True)
     if config.mode == "mirrored":
-        shards = even_split(batch, n)
-        if 0 in shards:
-            raise ConfigError(
-                "batch_size",
-                batch,
-                f"tf.distribute would split it {shards} over {n} replicas, "
-                f"leaving one idle; use a multiple of {n} or mode weighted",
-            )
-        return shards
+        return even_split(batch, n)
     # auto powers start from an even split; the measurement replaces it (see balance.py).
     powers = (1.0,) * n if config.powers in ((), AUTO) else config.powers
     if len(powers) != n:
@@ -171,7 +178,7 @@ def partition(config: Config, devices: list[str]) -> list[int]:
             f"has {len(powers)} values for {n} devices "
             f"({', '.join(short_name(d) for d in devices)})",
         )
-    return split_batch(batch, powers)
+    return split_batch(batch, powers, few=True)
 
 
 def check_balancing(config: Config, devices: list[str]) -> None:
@@ -265,19 +272,17 @@ def load_data(config: Config):
     return train, sources.as_arrays(test, "dataset", config.dataset, "validation")
 
 
-def model_spec_for(config: Config, samples: dict, model=None) -> ModelSpec:
+def model_for(config: Config, model=None):
     """The run's model: `model` (a compiled Keras model or a function returning one), else
-    the config's: a built-in name or MODULE:FUNCTION. `samples`: a few examples of each
-    split, by the setting that gave them, checked against the model."""
+    the config's: a built-in name or MODULE:FUNCTION."""
     from tfdp import models
 
-    switches = {"precision": config.precision, "jit_compile": config.jit_compile}
     if model is not None:
-        return models.model_spec(model, samples, **switches)
+        return models.the_model(model, precision=config.precision)
     if config.model in MODELS:
-        return models.built_in_spec(config, samples)
+        return models.built_in(config)
     function = sources.load_function(config.model, "model")
-    return models.model_spec(function, samples, field="model", source=config.model, **switches)
+    return models.the_model(function, "model", config.model, config.precision)
 
 
 def prepare(config: Config, model=None, train_data=None, validation_data=None) -> Plan:
@@ -310,11 +315,12 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
         test_data = sources.as_arrays(validation_data, "validation_data")
         field = "x"
     examples = data_lib.size(train_data)
-    if examples is not None and config.batch_size > examples:
+    if examples is not None and config.drop_remainder and config.batch_size > examples:
         raise ConfigError(
             "batch_size",
             config.batch_size,
-            f"is larger than the {examples} training examples",
+            f"is larger than the {examples} training examples, and drop_remainder leaves "
+            "no batch",
         )
     test_field = "validation_data" if field == "x" else field
     if test_data is not None and data_lib.size(test_data) == 0:
@@ -323,10 +329,10 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
             config.dataset if test_field == "dataset" else "(0 examples)",
             "has no evaluation examples; give some, or none (None) to skip evaluation",
         )
-    samples = {field: data_lib.first_examples(train_data, 2)}
+    model = model_for(config, model)
+    replicas.build(model, data_lib.first_examples(train_data, 2), field)
     if test_data is not None:
-        samples[test_field] = data_lib.first_examples(test_data, 2)
-    spec = model_spec_for(config, samples, model)
+        replicas.check_fits(model, data_lib.first_examples(test_data, 2), test_field)
     if data_lib.is_stream(train_data):
         per_pass = train_data.batches or config.steps_per_epoch or config.iterations
         if per_pass is None:
@@ -352,7 +358,8 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
         config,
         devices,
         shards,
-        spec,
+        model,
+        getattr(model, "name", None) or type(model).__name__,
         train_data,
         test_data,
         per_pass,
@@ -521,7 +528,17 @@ def run(
       NonFinite: the loss or the weights stopped being finite.
     """
     config = plan.config
-    trainer = build_trainer(config, plan.devices, plan.shards, plan.spec)
+    trainer = build_trainer(config, plan.devices, plan.shards, plan.model, plan.smallest_batch)
+    try:
+        result = run_trainer(plan, trainer, log, callbacks, verbose, validation)
+    finally:
+        trainer.close()  # the model's own variables again, with the trained values
+    return result
+
+
+def run_trainer(plan: Plan, trainer, log, callbacks, verbose, validation) -> dict:
+    """`run` with the trainer made."""
+    config = plan.config
     locked = config.model_dir and trainer.is_chief  # only the chief writes model_dir
     lock = ModelDirLock(config.model_dir) if locked else contextlib.nullcontext()
     with lock, StopSignals() as signals:
@@ -552,7 +569,7 @@ def run(
                 plan.training_indices(start_step), data_lib.gatherer(plan.train_data)
             )
         summaries = Summaries(config.model_dir) if config.model_dir and trainer.is_chief else None
-        guard = FiniteGuard(checkpointer)
+        guard = FiniteGuard(checkpointer) if config.finite_guard else None
         checkpoints = Checkpoints(checkpointer, guard) if checkpointer else None
         rebalancing = split.rebalancing(config.rebalance_every, state.say, probe)
         keras_callbacks = None
@@ -566,7 +583,7 @@ def run(
         hooks = Hooks(
             [
                 guard,
-                TutorialLog(),
+                TutorialLog(running=keras_callbacks is not None),
                 Rebalance(rebalancing) if rebalancing else None,
                 ProgressLine(progress) if progress else None,
                 keras_callbacks,
@@ -583,6 +600,7 @@ def run(
                 raise
             raise DataError(input_failure(plan, state, error, checkpointer)) from None
         result = result_of(state, split_info)
+        trainer.close()  # the model's own variables, with the trained values, before writing it
         if config.model_dir and trainer.is_chief:
             write_run_files(config.model_dir, trainer.model, result)
         trainer.exchange.finish()  # multiworker: the workers leave together, after the chief's writes
@@ -623,7 +641,7 @@ def result_of(state: Run, split_info: dict) -> FitResult:
     return FitResult(
         {
             "mode": config.mode,
-            "model": plan.spec.name,
+            "model": plan.model_name,
             "dataset": config.dataset,
             "devices": [short_name(d) for d in plan.devices],
             "shards": state.result["shards"],
@@ -644,7 +662,7 @@ def result_of(state: Run, split_info: dict) -> FitResult:
             "seed": config.seed,
             "init": config.init,
             "log": state.result["log"],
-            "final_loss": last["loss"] if last else None,
+            "final_loss": last.get("loss") if last else None,
             "final_accuracy": last.get("accuracy") if last else None,
             "final_metrics": last,
             "test_accuracy": final.get("test_accuracy"),

@@ -170,12 +170,12 @@ def measure(spec: MixedSpec, config, trainer, arrays, job: dict) -> dict:
         middle, metrics = None, None
         for i in range(iterations):
             if i and i == iterations // 2:
-                float(metrics["loss"])  # wait for the first half
+                float(metrics["logs"]["loss"])  # wait for the first half
                 middle = time.perf_counter()
             metrics = trainer.train_step(iterator)
             if rebalancing:
                 rebalancing.observe(i, metrics["device_seconds"])
-        float(metrics["loss"])  # wait for the last step
+        float(metrics["logs"]["loss"])  # wait for the last step
         return middle
 
     trainer.set_shards(start_shards)

@@ -41,7 +41,7 @@ onednn.enable_by_default()  # an entry point: before TensorFlow is imported
 
 VARIANTS = {
     "bare": "tf.function step: forward, backward, SGD",
-    "clocks": "the same, with tfdp's in-step device clocks (steps.timed_replica_gradients)",
+    "clocks": "the same, with tfdp's in-step device clocks (steps.DeviceWork, timed)",
     "loop10": "10 steps per tf.function call, in a tf.range loop",
     "inter_op1": "the bare step with inter_op_parallelism_threads=1",
     "xla": "the bare step with jit_compile=True",
@@ -94,22 +94,54 @@ def main(argv) -> None:
     print(json.dumps(result))
 
 
+def batch_gradients(model, batch, pieces=1, side_by_side=True):
+    """(gradients, loss) of the model's compiled loss on `batch` (its mean over the batch),
+    from `pieces` equal micro-batches whose losses are weighed by their examples and whose
+    gradients are summed: the whole batch's, to float rounding.
+
+    side_by_side: the micro-batches' ops are independent, and TensorFlow may run them at
+    the same time; else they run one after another (a tf.range loop).
+    """
+    import tensorflow as tf
+
+    def piece(x, y):
+        with tf.GradientTape() as tape:
+            loss = model.compute_loss(x, y, model(x, training=True)) / pieces
+        return tape.gradient(loss, model.trainable_variables), loss
+
+    x, y = batch
+    if pieces == 1:
+        return piece(x, y)
+    if side_by_side:
+        results = [piece(xp, yp) for xp, yp in zip(tf.split(x, pieces), tf.split(y, pieces))]
+        gradients = [tf.add_n(list(g)) for g in zip(*[g for g, _ in results])]
+        return gradients, tf.add_n([loss for _, loss in results])
+    xs = tf.reshape(x, [pieces, -1, *x.shape[1:]])
+    ys = tf.reshape(y, [pieces, -1, *y.shape[1:]])
+    gradients = [tf.zeros_like(v) for v in model.trainable_variables]
+    loss = tf.constant(0.0)
+    for i in tf.range(pieces):
+        part_gradients, part_loss = piece(xs[i], ys[i])
+        gradients = [g + p for g, p in zip(gradients, part_gradients)]
+        loss += part_loss
+    return gradients, loss
+
+
 def measure(variant, arrays, iterations, warmup, profile_dir=None, top_kernels=12):
     """Times `iterations` steps of `variant` on `arrays` (batches of 1024) after `warmup`
     untimed ones; returns (the result line's fields, the model after the last step)."""
     import keras
     import tensorflow as tf
 
-    from tfdp.config import Config
+    from tfdp import shards
     from tfdp.data import train_dataset
     from tfdp.models import (
         build_model,
-        built_in_spec,
         channels_first_lenet,
         initial_weights,
         pool_first_lenet,
     )
-    from tfdp.steps import micro_batch_gradients, replica_gradients, timed_replica_gradients
+    from tfdp.steps import DeviceWork
 
     batch = 1024
     dataset = train_dataset(arrays, batch, 0)
@@ -119,23 +151,26 @@ def measure(variant, arrays, iterations, warmup, profile_dir=None, top_kernels=1
         model = channels_first_lenet(model)
     if variant == "pool_first":
         model = pool_first_lenet(model)
-    optimizer = keras.optimizers.SGD(0.1)
+    model.compile(  # LeNet's compiled loss, as tfdp trains it
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=False,
+    )
+    optimizer = model.optimizer
     optimizer.build(model.trainable_variables)
-    objective = built_in_spec(Config()).objective  # LeNet's compiled loss
+    timed = DeviceWork(model, timed=True)
 
     def update(batch_data):
         if variant == "clocks":
-            gradients, loss, _, _ = timed_replica_gradients(model, objective, batch_data, batch)
+            with shards.handing_over(model):
+                _, gradients, _, _ = timed.train(batch_data, batch)
+            loss = model.get_metrics_result()["loss"]
         elif variant == "micro256":
-            gradients, loss = micro_batch_gradients(
-                model, objective, batch_data, batch, 4, side_by_side=False
-            )
+            gradients, loss = batch_gradients(model, batch_data, 4, side_by_side=False)
         elif variant in ("halves", "pool_first"):
-            gradients, loss = micro_batch_gradients(
-                model, objective, batch_data, batch, 2, side_by_side=True
-            )
+            gradients, loss = batch_gradients(model, batch_data, 2, side_by_side=True)
         else:
-            gradients, loss, _ = replica_gradients(model, objective, batch_data, batch)
+            gradients, loss = batch_gradients(model, batch_data)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
         return {"loss": loss}
 
@@ -154,10 +189,6 @@ def measure(variant, arrays, iterations, warmup, profile_dir=None, top_kernels=1
         return metrics
 
     if variant == "fit":
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.1),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
         model.fit(dataset, steps_per_epoch=warmup, epochs=1, verbose=0)
         steps_run = warmup + iterations
         with profiled(profile_dir):

@@ -232,7 +232,7 @@ def measure_tfdp(spec: Spec, job: dict) -> dict:
     set_intra_op_threads(default_intra_op_threads(config, 0, 0, os.cpu_count() or 1))
     shards = partition(config, devices)
     arrays = load_arrays(job["synthetic"], job["mnist_dir"])
-    trainer = build_trainer(config, devices, shards, model_spec_of(job, arrays))
+    trainer = build_trainer(config, devices, shards, user_model(job, arrays))
     probe_seconds = 0.0
     if spec.powers == AUTO:  # each device alone, then all at once, as `tfdp` does first
         start = time.perf_counter()
@@ -246,15 +246,26 @@ def measure_tfdp(spec: Spec, job: dict) -> dict:
     }
 
 
-def model_spec_of(job: dict, arrays):
-    """The job's model as tfdp trains it (None: the built-in LeNet)."""
+def user_function(job: dict):
+    """The function that makes the job's model (None: the built-in LeNet)."""
     if job.get("model", "lenet") == "lenet":
         return None
-    from tfdp import models, sources
+    from tfdp import sources
+
+    return sources.load_function(job["model"], "model")
+
+
+def user_model(job: dict, arrays):
+    """The job's model as tfdp trains it, built (None: the built-in LeNet)."""
+    make = user_function(job)
+    if make is None:
+        return None
+    from tfdp import models, replicas
     from tfdp.data import first_examples
 
-    make = sources.load_function(job["model"], "model")
-    return models.model_spec(make, {"dataset": first_examples(arrays, 2)})
+    model = models.the_model(make)
+    replicas.build(model, first_examples(arrays, 2))
+    return model
 
 
 def measure_multiworker(spec: Spec, job: dict) -> dict:
@@ -284,8 +295,7 @@ def measure_multiworker(spec: Spec, job: dict) -> dict:
     set_intra_op_threads(spec.intra_op_threads)
     join_cluster(config)  # before any other TensorFlow op
     arrays = load_arrays(job["synthetic"], job["mnist_dir"])
-    model = model_spec_of(job, arrays)
-    trainer = build_trainer(config, workers, shards, model)
+    trainer = build_trainer(config, workers, shards, user_model(job, arrays))
     start = time.perf_counter()
     split = trainer.Split(trainer)
     info, probe = split.set_up(config, arrays, log=lambda line: None)
@@ -311,7 +321,7 @@ def time_tutorial_run(trainer, config, arrays, job: dict, rebalancing=None) -> d
     rebalancing goes on during the timed run.
     """
     from tfdp.data import train_dataset
-    from tfdp.training import step_metrics
+    from tfdp.hooks.report import floats
 
     shards = list(trainer.shards)
     initial = trainer.get_weights()
@@ -322,13 +332,15 @@ def time_tutorial_run(trainer, config, arrays, job: dict, rebalancing=None) -> d
         iterator = trainer.distribute(train_dataset(arrays, config.batch_size, config.seed))
         log = {}
         for i in range(iterations):
+            if i % 10 == 0:
+                trainer.model.reset_metrics()  # the logged step's own batch, as tfdp logs it
             metrics = trainer.train_step(iterator)
             if i % 10 == 0:
                 log[i] = metrics  # read after the clock stops
             if rebalancing and (observed or i):  # the first step has first-run costs
                 rebalancing.observe(observed, metrics["device_seconds"])
                 observed += 1
-        float(metrics["loss"])  # wait for the last step
+        float(metrics["logs"]["loss"])  # wait for the last step
         return log, time.perf_counter()  # the steps are done; the iterator is not yet deleted
 
     settle = job.get("settle", 0) if rebalancing else 0
@@ -342,7 +354,7 @@ def time_tutorial_run(trainer, config, arrays, job: dict, rebalancing=None) -> d
     start = time.perf_counter()
     log, steps_done = tutorial_run(job["iterations"])
     seconds = time.perf_counter() - start
-    accuracy = {i: step_metrics(trainer.objective, m).get("accuracy") for i, m in log.items()}
+    accuracy = {i: floats(m["logs"]).get("accuracy") for i, m in log.items()}
     return {
         "seconds": seconds,
         **steps_only(steps_done - start, job),
@@ -370,12 +382,13 @@ def measure_keras(spec: Spec, job: dict) -> dict:
     # What a Keras user would write: fit, with MirroredStrategy's own defaults.
     strategy = tf.distribute.MirroredStrategy(devices) if len(devices) > 1 else None
     arrays = load_arrays(job["synthetic"], job["mnist_dir"])
-    own = model_spec_of(job, arrays)
-    initial = own.weights if own else initial_weights("lenet")
+    own = user_function(job)
     with strategy.scope() if strategy else tf.device(devices[0]):
         if own:  # the user's factory, compiled as the user compiled it
-            model = own.make()
+            model = own()
+            initial = model.get_weights()
         else:
+            initial = initial_weights("lenet")
             model = build_model("lenet")
             model.compile(
                 optimizer=keras.optimizers.SGD(0.1),

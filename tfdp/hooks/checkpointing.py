@@ -15,7 +15,7 @@ class Checkpoints(Hook):
     never runs an epoch's end twice, nor misses it.
 
     checkpointer: `checkpoints.Checkpointer` of the run.
-    guard: the run's `FiniteGuard`: nothing non-finite is saved.
+    guard: the run's `FiniteGuard`: nothing non-finite is saved (None: no guard).
     """
 
     def __init__(self, checkpointer, guard):
@@ -47,7 +47,8 @@ class Checkpoints(Hook):
         if self.saved and self.saved[0] == run.step:
             return self.saved[1]
         start = time.perf_counter()
-        self.guard.check_before_saving(run)
+        if self.guard is not None:
+            self.guard.check_before_saving(run)
         self.saved = run.step, self.checkpointer.save(run.step)
         run.clock.side_seconds += time.perf_counter() - start
         return self.saved[1]

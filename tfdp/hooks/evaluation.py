@@ -1,4 +1,4 @@
-"""Evaluation on the held-out data: the compiled loss and metrics over every example."""
+"""Evaluation on the held-out data: the model's test_step over every example."""
 
 from __future__ import annotations
 
@@ -9,31 +9,34 @@ from tfdp.hooks.report import described
 from tfdp.loop import Hook
 
 
-def evaluate(
-    trainer, spec, data, batch_size: int, on_batch=None, steps: int | None = None
-) -> dict[str, float]:
-    """The compiled loss (with `model.losses`) and metrics over every example of `data`
-    (the first `steps` batches' only, if given), each batch split over the devices as
-    the trainer splits a training batch.
+def evaluate(trainer, data, batch_size: int, callbacks=None, steps: int | None = None):
+    """The model's test_step over every example of `data` (the first `steps` batches' only,
+    if given), each batch split over the devices as the trainer splits a training batch,
+    as Keras' `evaluate` runs it: the metrics reset first, then running over the batches.
+    Returns the logs after the last batch (Python numbers).
 
-    on_batch: called as on_batch(index, batch, summed_loss, predictions) after each
-    batch (the Keras callbacks' test hooks).
+    callbacks: a Keras CallbackList whose test-batch hooks are called for each batch.
     """
-    from tfdp.objective import num_examples
+    from tfdp.hooks.report import floats
 
-    objective = spec.objective
-    objective.reset_metrics()
-    summed, examples = 0.0, 0
+    trainer.model.reset_metrics()
+    logs = {}
     batches = data_lib.eval_batches(data, batch_size)
     for index, batch in enumerate(batches.take(steps) if steps else batches):
-        loss, predictions = trainer.predict(batch)
-        summed += float(loss)
-        examples += int(num_examples(batch))
-        objective.update_metrics(batch, predictions)
-        if on_batch is not None:
-            on_batch(index, batch, loss, predictions)
-    regularization = sum(float(value) for value in trainer.model.losses)
-    return {"loss": summed / examples + regularization, **objective.read_metrics()}
+        if callbacks is not None:
+            callbacks.on_test_batch_begin(index)
+        logs = floats(trainer.test_step(batch))
+        if callbacks is not None:
+            callbacks.on_test_batch_end(index, logs)
+    return logs
+
+
+def metrics_kept(model):
+    """Inside: the model's metrics may be reset and run (an evaluation between training
+    steps); afterwards they hold their running values of before again."""
+    from tfdp.replicas import kept
+
+    return kept(model.metrics_variables)
 
 
 class Evaluation(Hook):
@@ -62,7 +65,8 @@ class Evaluation(Hook):
         plan = run.plan
         if plan.test_data is None:
             return
-        values = evaluate(run.trainer, plan.spec, plan.test_data, plan.config.batch_size)
+        with metrics_kept(run.trainer.model):
+            values = evaluate(run.trainer, plan.test_data, plan.config.batch_size)
         named = {f"test_{k}": v for k, v in values.items()}
         run.result["evals"].append({"iteration": step, **named})
         run.say(

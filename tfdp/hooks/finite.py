@@ -39,7 +39,9 @@ class FiniteGuard(Hook):
         self.pending = []
 
     def on_step_end(self, run, step):
-        self.pending.append((step, run.outputs["loss"]))
+        loss = run.outputs["logs"].get("loss") if isinstance(run.outputs["logs"], dict) else None
+        if loss is not None:  # the loss's running mean: non-finite from the bad step on
+            self.pending.append((step, loss))
         if run.plan.is_log_point(step):
             self.check_losses(run)
 

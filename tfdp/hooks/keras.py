@@ -23,6 +23,7 @@ import keras
 import numpy as np
 
 from tfdp.errors import ConfigError
+from tfdp.hooks.report import floats
 from tfdp.loop import Hook
 
 # The attributes that carry a built-in callback's decisions from one epoch to the next.
@@ -68,130 +69,6 @@ def check_callbacks(callbacks) -> list:
     return callbacks
 
 
-class KerasLogs:
-    """What Keras' `fit` logs for its callbacks: running means, since the last `reset`,
-    of the loss (each batch weighted by its examples) and of the compiled metrics,
-    computed from each global batch and its predictions, with Keras' own metric
-    objects in Keras' order (loss, compiled metrics, each output's loss): inside the
-    training step's compiled call (`add_step`), or from the host (`update`)."""
-
-    def __init__(self, model):
-        from keras.src.trainers.compile_utils import CompileLoss, CompileMetrics
-
-        from tfdp.objective import compile_settings
-
-        settings = compile_settings(model)
-        names = getattr(model, "output_names", None)
-        self.loss = keras.metrics.Mean(name="loss")
-        metrics, weighted = settings.get("metrics"), settings.get("weighted_metrics")
-        self.compiled = (
-            CompileMetrics(metrics, weighted, output_names=names)
-            if metrics is not None or weighted is not None
-            else None
-        )
-        self.losses = CompileLoss(
-            settings["loss"], settings.get("loss_weights"), output_names=names
-        )
-        self._update = None
-        self._saved = None  # values to load once Keras has built the metrics
-
-    def update(self, batch, predictions, loss) -> dict[str, float]:
-        """Adds one batch (host tensors): its examples, their outputs, its loss; returns
-        the logs after it (`result`), from the same compiled call."""
-        import tensorflow as tf
-
-        if self._update is None:
-            self._update = tf.function(self._add, reduce_retracing=True)
-        with tf.device("/cpu:0"):
-            if self._saved is not None:
-                self._build(batch, predictions)
-            logs = self._update(batch, predictions, tf.cast(loss, tf.float32))
-        return floats(logs)
-
-    def load(self, values) -> None:
-        """Sets the running means to saved `values` (of `variables()` once built). Keras
-        builds the compiled metrics on their first batch: until then they wait."""
-        self._saved = list(values)
-        if len(self.variables()) == len(self._saved):
-            self._assign()
-
-    def build_on(self, batch, model) -> None:
-        """Makes the metrics' variables now, from a few examples (host tensors) and
-        `model`'s outputs on them, so that a compiled step can update them."""
-        import tensorflow as tf
-
-        from tfdp.objective import unpack
-
-        x, _, _ = unpack(batch)
-        with tf.device("/cpu:0"):
-            self._build(batch, model(x, training=False))
-
-    def add_step(self, outputs) -> dict:
-        """Inside a step's compiled call: adds its global batch (`step_batch`); returns
-        the logs after it, as tensors."""
-        import tensorflow as tf
-
-        with tf.device("/cpu:0"):
-            return self._add(*step_batch(outputs))
-
-    def _build(self, batch, predictions) -> None:
-        from tfdp.objective import unpack
-
-        _, y, _ = unpack(batch)
-        for metrics in (self.compiled, self.losses):
-            if metrics is not None and not metrics.built:
-                metrics.build(y, predictions)
-        if self._saved is not None:
-            self._assign()
-
-    def _assign(self) -> None:
-        for variable, value in zip(self.variables(), self._saved, strict=True):
-            variable.assign(value)
-        self._saved = None
-
-    def _add(self, batch, predictions, loss):
-        import tensorflow as tf
-
-        from tfdp.objective import num_examples, unpack
-
-        _, y, sample_weight = unpack(batch)
-        loss = tf.cast(loss, tf.float32)
-        self.loss.update_state(loss, sample_weight=num_examples(batch))
-        if self.compiled is not None:
-            self.compiled.update_state(y, predictions, sample_weight)
-        if len(self.losses.metrics) > 1:  # each output's loss, as Keras logs it
-            self.losses(y, predictions, sample_weight)
-        return self._results()
-
-    def metrics(self) -> list:
-        return [
-            self.loss,
-            *([self.compiled] if self.compiled is not None else []),
-            *self.losses.metrics,
-        ]
-
-    def result(self) -> dict[str, float]:
-        return floats(self._results())
-
-    def _results(self) -> dict:
-        """Every metric's running value (tensors), in Keras' order."""
-        logs = {}
-        for metric in self.metrics():
-            value = metric.result()
-            if isinstance(value, dict):
-                logs.update(value)
-            else:
-                logs[metric.name] = value
-        return logs
-
-    def reset(self) -> None:
-        for metric in self.metrics():
-            metric.reset_state()
-
-    def variables(self) -> list:
-        return [v for metric in self.metrics() for v in metric.variables]
-
-
 class KerasCallbacks(Hook):
     """Runs `callbacks` (a user's, beside Keras' History and progress bar) at the loop's
     points, as `Model.fit` calls them.
@@ -214,17 +91,7 @@ class KerasCallbacks(Hook):
         self.epoch_logs = {}
 
     def on_train_begin(self, run):
-        from tfdp.data import first_examples
-
-        trainer = run.trainer
-        self.model = trainer.model
-        self.logs = KerasLogs(self.model)
-        # A step's logs come out of the step's own compiled call where the trainer can
-        # compute them there, else from its outputs on the host.
-        self.in_step = trainer.compute_in_step("keras_logs", self.logs.add_step)
-        if self.in_step:  # the metrics' variables, before the step is traced
-            self.logs.build_on(first_examples(run.plan.train_data, 2), self.model)
-        self.val_logs = KerasLogs(self.model) if self.validation else None
+        self.model = run.trainer.model  # the user's own model object
         self.list = keras.callbacks.CallbackList(
             self.user,
             add_history=True,
@@ -236,6 +103,7 @@ class KerasCallbacks(Hook):
         )
         self.history = self.list._history
         self.model.stop_training = False
+        self.logs = {}
         if self.saved_state is not None:  # a CSV of the run so far is continued, not replaced
             for callback in self.user:
                 if isinstance(callback, keras.callbacks.CSVLogger):
@@ -251,24 +119,20 @@ class KerasCallbacks(Hook):
     def on_epoch_begin(self, run, epoch):
         if epoch == self.resumed_in:  # the unbroken run began this epoch before the checkpoint
             return
-        self.logs.reset()
+        self.model.reset_metrics()
         self.list.on_epoch_begin(epoch)
 
     def on_step_begin(self, run, step):
         self.list.on_train_batch_begin(run.batch_in_epoch(step))
 
     def on_step_end(self, run, step):
-        if self.in_step:
-            logs = floats(run.outputs["keras_logs"])
-        else:
-            run.outputs = run.trainer.global_outputs(run.outputs)  # multiworker: the whole batch
-            logs = self.logs.update(*step_batch(run.outputs))
-        self.list.on_train_batch_end(run.batch_in_epoch(step), logs)
+        self.logs = floats(run.outputs["logs"])
+        self.list.on_train_batch_end(run.batch_in_epoch(step), self.logs)
         if self.model.stop_training:
             run.stopping = True
 
     def on_epoch_end(self, run, epoch):
-        logs = self.logs.result()
+        logs = floats(self.model._get_metrics_result_or_logs(self.logs))  # noqa: SLF001
         if self.validation and self.due(epoch):
             logs.update({f"val_{k}": v for k, v in self.validate(run).items()})
         self.list.on_epoch_end(epoch, logs)
@@ -293,19 +157,8 @@ class KerasCallbacks(Hook):
         from tfdp.hooks.evaluation import evaluate
 
         data, batch_size, steps, _ = self.validation
-        regularization = sum(float(v) for v in run.trainer.model.losses)
         self.list.on_test_begin()
-        self.val_logs.reset()
-
-        def on_batch(index, batch, summed, predictions):
-            from tfdp.objective import num_examples
-
-            self.list.on_test_batch_begin(index)
-            loss = float(summed) / int(num_examples(batch)) + regularization
-            self.list.on_test_batch_end(index, self.val_logs.update(batch, predictions, loss))
-
-        evaluate(run.trainer, run.plan.spec, data, batch_size, on_batch=on_batch, steps=steps)
-        logs = self.val_logs.result()
+        logs = evaluate(run.trainer, data, batch_size, callbacks=self.list, steps=steps)
         self.list.on_test_end(logs)
         run.result["val_logs"] = logs
         return logs
@@ -313,33 +166,24 @@ class KerasCallbacks(Hook):
     # --- state saved with a checkpoint
 
     def state(self) -> dict:
-        """What a resumed run needs to call the callbacks as an unbroken run would."""
+        """What a resumed run needs to call the callbacks as an unbroken run would: their
+        own state, and the model's metrics mid-epoch (the running values they are given)."""
         return {
             "stop_training": bool(self.model.stop_training),
             "epoch_logs": self.epoch_logs,
-            "logs": [np.asarray(v) for v in self.logs.variables()],
+            "logs": self.logs,
+            "metrics": [np.asarray(v.numpy()) for v in self.model.metrics_variables],
             "callbacks": [callback_state(c) for c in self.list.callbacks],
         }
 
     def restore(self, state: dict) -> None:
         self.model.stop_training = state["stop_training"]
         self.epoch_logs = state["epoch_logs"]
-        self.logs.load(state["logs"])
+        self.logs = state.get("logs") or {}
+        for variable, value in zip(self.model.metrics_variables, state["metrics"], strict=True):
+            variable.assign(value)
         for callback, saved in zip(self.list.callbacks, state["callbacks"]):
             restore_callback(callback, saved)
-
-
-def step_batch(outputs) -> tuple:
-    """(global batch, its predictions, its loss) of a step's outputs over the whole batch."""
-    from tfdp.objective import concat
-
-    batch = concat(outputs["batches"]) if "batches" in outputs else outputs["batch"]
-    return batch, concat(outputs["predictions"]), outputs["loss"]
-
-
-def floats(logs) -> dict[str, float]:
-    """Logs of tensors -> logs of Python numbers, as callbacks get them."""
-    return {name: float(value) for name, value in logs.items()}
 
 
 def callback_state(callback) -> dict | None:

@@ -60,16 +60,17 @@ def banner(plan, trainer, start_step: int, shards: list[int], input_note=None) -
     return text
 
 
-def step_metrics(objective, outputs) -> dict[str, float]:
-    """The loss and compiled metrics of a step's global batch, on the host."""
-    from tfdp.objective import concat
+def floats(logs) -> dict[str, float]:
+    """A step's logs (tensors) as Python numbers, as callbacks and the log lines get them;
+    entries that are not single numbers are left out."""
+    import numpy as np
 
-    if "batches" in outputs:  # per-replica batches (mirrored_input dataset)
-        batch = concat(outputs["batches"])
-    else:
-        batch = outputs["batch"]
-    values = objective.batch_metrics(batch, concat(outputs["predictions"]))
-    return {**values, "loss": float(outputs["loss"])}
+    values = {}
+    for name, value in (logs or {}).items():
+        array = np.asarray(value)
+        if array.size == 1 and np.issubdtype(array.dtype, np.number):
+            values[name] = float(array.reshape(()))
+    return values
 
 
 def described(values: dict[str, float], prefix: str = "") -> str:
@@ -81,7 +82,14 @@ def described(values: dict[str, float], prefix: str = "") -> str:
 class TutorialLog(Hook):
     """The tutorial's lines: the workload partition and the batch arithmetic first, the
     training batch's metrics every `log_every` iterations, then the time; also starts
-    the run's clock. With `log_every` 0 only the first and last lines are printed."""
+    the run's clock. With `log_every` 0 only the first and last lines are printed.
+
+    A logged step's metrics are its batch's: the model's metrics are reset before it,
+    unless Keras callbacks read their running values (`running`: then the lines show
+    those, as Keras' progress bar does)."""
+
+    def __init__(self, running: bool = False):
+        self.running = running
 
     def on_train_begin(self, run):
         shards = list(run.trainer.shards)
@@ -91,14 +99,18 @@ class TutorialLog(Hook):
         run.result.update(shards=shards, log=[])
         run.clock.start = time.perf_counter()
 
+    def on_step_begin(self, run, step):
+        if run.plan.logs(step) and not self.running:
+            run.trainer.model.reset_metrics()  # the logged step's own batch
+
     def on_step_end(self, run, step):
-        if step == run.start_step:
-            float(run.outputs["loss"])  # wait for the first step: it includes tracing
+        if run.first_step == run.start_step:
+            _wait_for(run.outputs)  # the first call includes tracing
             run.clock.first_step_seconds = run.clock.seconds()
+            self.first_end = run.step
         if not run.plan.is_log_point(step):
             return
-        run.outputs = run.trainer.global_outputs(run.outputs)  # multiworker: the whole batch
-        run.metrics = step_metrics(run.plan.spec.objective, run.outputs)
+        run.metrics = floats(run.outputs["logs"])
         if run.plan.logs(step):
             run.result["log"].append({"iteration": step, **run.metrics})
             run.say(f"iteration {step}, {described(run.metrics)}")
@@ -108,13 +120,14 @@ class TutorialLog(Hook):
         seconds = clock.seconds()
         steps_run = plan.total_steps - run.start_step
         steady = seconds - clock.side_seconds - clock.first_step_seconds
+        first_end = getattr(self, "first_end", run.start_step + 1)
         images_per_second = (
-            plan.examples_in(run.start_step + 1, plan.total_steps) / steady
-            if steps_run > 1
+            plan.examples_in(first_end, plan.total_steps) / steady
+            if plan.total_steps > first_end and steady > 0
             else plan.examples_in(run.start_step, plan.total_steps) / max(seconds, 1e-9)
         )
         run.say(
-            f"time for {steps_run} iterations of {plan.spec.name} on "
+            f"time for {steps_run} iterations of {plan.model_name} on "
             f"{len(plan.devices)} {run.trainer.unit}, mode {plan.config.mode}: {seconds:f} sec "
             f"(first step {clock.first_step_seconds:.2f} sec with tracing; then "
             f"{images_per_second:.0f} images/sec)"
@@ -142,8 +155,17 @@ class ProgressLine(Hook):
 
     def metrics(self):
         """The last step's metrics, read only when the line is shown."""
-        return step_metrics(self.run.plan.spec.objective, self.run.outputs)
+        return floats(self.run.outputs["logs"])
 
     def close(self, run):
         self.progress.close()
         run.progress = None
+
+
+def _wait_for(outputs) -> None:
+    """Blocks until a step's outputs are computed."""
+    import tensorflow as tf
+
+    for value in tf.nest.flatten(outputs):
+        if hasattr(value, "numpy"):
+            value.numpy()

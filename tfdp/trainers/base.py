@@ -1,14 +1,19 @@
 """What the training loop asks of a trainer, and what the trainers share.
 
-A trainer is one mode: it owns the model copies, the optimizer and the
-split of each global batch over its devices (or workers). The loop
-(`training.run`) calls only what this class declares; it never asks which
-mode it runs, so adding a mode means adding a trainer.
+A trainer is one mode: it places the model's variables for its devices
+(`replicas.Placement`), splits each global batch over them, runs the model's own
+`train_step` on every shard (`steps.DeviceWork`) and reduces the gradients the
+shards hand over into one update. The loop (`training.run`) calls only what this
+class declares; it never asks which mode it runs, so adding a mode means adding
+a trainer.
 """
 
 from __future__ import annotations
 
+import tensorflow as tf
+
 from tfdp.exchange import LOCAL
+from tfdp.replicas import kept
 from tfdp.split import DeviceSplit
 
 
@@ -19,9 +24,9 @@ class Trainer:
       devices: what the batch is split over (device names, or worker names).
       shards: examples of a full global batch on each, in order.
       global_batch_size: examples per step over all of them.
-      model, optimizer: the master copy and its compiled optimizer.
-      objective: the compiled loss per shard and the metrics.
-      chains: side-by-side parts each device cuts its shard into.
+      model: the model being trained (the user's own object, its variables placed
+        for the mode while the trainer is open); optimizer: its optimizer.
+      chains: side-by-side pieces each device cuts its shard into.
       exchange: what the processes of the run tell each other (`exchange.Local`,
         or `exchange.Cluster` in a cluster).
       balanced: the split is the run's own (mode weighted): it may be measured,
@@ -38,14 +43,16 @@ class Trainer:
     timed = True  # each step reads each device's seconds (`device_seconds`)
     Split = DeviceSplit  # what splits the batch before training (split.py)
     exchange = LOCAL  # what this process tells the others of its run (exchange.py)
+    placement = None  # the model's variables placed for the mode (`replicas.Placement`)
+    jit_compile = False  # each device's forward and backward pass is an XLA program
 
-    # --- the step (each trainer implements these)
+    # --- the step (each trainer implements `_step` and `_test`)
 
     host_iterator = True  # `distribute` gives a tf.data iterator (its position can be saved)
 
     def distribute(self, dataset):
         """The iterator `train_step` reads, from a dataset of global batches."""
-        raise NotImplementedError
+        return iter(dataset)
 
     def distribute_indices(self, indices, gather):
         """The iterator `train_step` reads, from a dataset of global batches of example
@@ -55,44 +62,57 @@ class Trainer:
 
         return self.distribute(prefetched(indices.map(gather)))
 
-    def train_step(self, iterator) -> dict:
-        """One update on the next global batch. Returns tensors: `loss` (the global
-        batch's), `batch` (or `batches`, per shard), `predictions` (per shard) and,
-        where devices are timed, `device_seconds`."""
-        raise NotImplementedError
+    def compile(self) -> None:
+        """Makes the compiled step functions, as the model asks: eager with `run_eagerly`,
+        else one tf.function per kind of call (autograph off, as Keras traces a step)."""
+        if self.model.run_eagerly:
+            wrap = _eager
+        else:
+            wrap = lambda f: tf.function(f, autograph=False, reduce_retracing=True)  # noqa: E731
+        self._train_step = wrap(self._step)
+        self._train_steps = wrap(self._steps)
+        self._test_step = wrap(self._test)
 
-    in_step = {}  # name -> fn(outputs): computed inside every compiled step (`compute_in_step`)
+    def train_step(self, iterator, steps: int = 1) -> dict:
+        """`steps` updates on the next global batches, in one compiled call (Keras'
+        `steps_per_execution`). Returns tensors: `logs`, what the model's train_step
+        returned for the last of them, its metrics over the whole batch (running values
+        since `model.reset_metrics()`), and `device_seconds` of that step (zeros where
+        devices are not timed)."""
+        if steps == 1:
+            return self._train_step(iterator)
+        return self._train_steps(iterator, tf.constant(steps))
 
-    def compute_in_step(self, name: str, fn) -> bool:
-        """Has every following step compute `fn(outputs)` inside its compiled call, from
-        the step's outputs over the global batch, returned as `outputs[name]`: one call
-        per step instead of a second one from the host. Call it before the first step
-        (the step is traced once). False where a step's outputs are not the whole
-        global batch's (a cluster's, `global_outputs`): compute it from those instead."""
-        if self._train_step.experimental_get_tracing_count():
-            raise RuntimeError(f"compute_in_step({name!r}) after the step was traced")
-        self.in_step = {**self.in_step, name: fn}
-        return True
+    def _steps(self, iterator, steps):
+        outputs = self._step(iterator)
+        if self.model.run_eagerly:
+            for _ in range(int(steps) - 1):
+                outputs = self._step(iterator)
+            return outputs
 
-    def _with_in_step(self, outputs: dict) -> dict:
-        """A step's outputs, with what `compute_in_step` asked of it (in the step's graph)."""
-        for name, fn in self.in_step.items():
-            outputs[name] = fn(outputs)
+        def body(done, outputs):
+            return done + 1, self._step(iterator)
+
+        _, outputs = tf.while_loop(lambda done, _: done < steps, body, (tf.constant(1), outputs))
         return outputs
 
-    def predict(self, batch):
-        """(summed compiled loss, predictions) of an evaluation batch."""
-        raise NotImplementedError
+    def test_step(self, batch) -> dict:
+        """The model's test_step on an evaluation batch, split over the devices as a
+        training batch is: its logs, the metrics over every batch since
+        `model.reset_metrics()`."""
+        return self._test_step(batch)
 
     def get_weights(self) -> list:
         return self.model.get_weights()
 
     def set_weights(self, weights) -> None:
-        raise NotImplementedError
+        self.model.set_weights(weights)
 
-    def global_outputs(self, metrics: dict) -> dict:
-        """A step's outputs over the whole global batch (they already are, in one process)."""
-        return metrics
+    def close(self) -> None:
+        """The model's variables back as the model had them, with the trained values."""
+        if self.placement is not None:
+            self.placement.exit()
+            self.placement = None
 
     # --- the split
 
@@ -108,13 +128,22 @@ class Trainer:
         self.delays.assign(delays)
 
     def seconds_alone(self, batch, index: int) -> float:
-        """Device `index`'s seconds for forward and backward on `batch`, the others idle."""
-        return float(self._seconds_alone(batch, index))
+        """Device `index`'s seconds for its forward and backward pass on `batch`, the others
+        idle, without an update (the model's state as it was before)."""
+        with self.untouched():
+            return float(self._seconds_alone(batch, index))
 
     def seconds_together(self, batch):
         """Each device's seconds for forward and backward on its shard of the global
         batch, all devices at once as in a step, without an update."""
-        return self._seconds_together(batch)
+        with self.untouched():
+            return self._seconds_together(batch).numpy()
+
+    def untouched(self):
+        """Inside: what a probe step changes besides the weights (metrics, batch-norm
+        statistics, random seeds) is put back afterwards."""
+        model = self.model
+        return kept([*model.non_trainable_variables, *model.metrics_variables])
 
     def describe(self) -> str:
         """What the banner adds about this mode's reduction."""
@@ -130,4 +159,8 @@ class Trainer:
 
     def result_info(self) -> dict:
         """This trainer's own entries in the result."""
-        return {"chains": self.chains}
+        return {"chains": self.chains, "jit_compile": self.jit_compile}
+
+
+def _eager(function):
+    return function

@@ -1,4 +1,13 @@
-"""A custom training loop under tf.distribute.MirroredStrategy."""
+"""A custom training loop under tf.distribute.MirroredStrategy.
+
+The model's variables are made again in the strategy's scope (`replicas.Placement`),
+as if the model had been built there. Per step, each replica runs the model's own
+train_step on its shard (`steps.DeviceWork`, the loss weighed by the shard's
+examples), and the model's optimizer sums the replicas' gradients in its
+all-reduce and applies them on every replica, as Keras' fit does under the
+strategy. The metrics are sync-on-read variables: read after the step, they hold
+the whole batch's values.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +15,17 @@ import itertools
 
 import tensorflow as tf
 
+from tfdp import shards as shards_lib
 from tfdp.devices import even_split, split_batch
-from tfdp.objective import concat, num_examples
-from tfdp.steps import clip_before_all_reduce, shard_sizes_for, split, timed_replica_gradients
+from tfdp.replicas import Placement
+from tfdp.steps import (
+    DeviceWork,
+    clip_before_all_reduce,
+    num_examples,
+    shard_sizes_for,
+    split,
+    with_metrics,
+)
 from tfdp.trainers.base import Trainer
 
 _strategies_made = itertools.count(1)
@@ -42,12 +59,27 @@ def make_strategy(devices, all_reduce: str = "auto"):
     )
 
 
+def replica_logs(strategy, model, logs, held):
+    """A step's logs from its replicas': the model's metrics read across the replicas
+    (the whole batch's), its other logs the mean over the replicas that held examples
+    (Keras' fit takes the mean over all of them)."""
+    weights = [tf.cast(h, tf.float32) for h in strategy.experimental_local_results(held)]
+    count = tf.maximum(tf.add_n(weights), 1.0)
+
+    def mean(value):
+        values = strategy.experimental_local_results(value)
+        summed = tf.add_n([tf.cast(v, tf.float32) * w for v, w in zip(values, weights)])
+        return tf.cast(summed / count, values[0].dtype)
+
+    return with_metrics(model, tf.nest.map_structure(mean, logs))
+
+
 class MirroredTrainer(Trainer):
     """Synchronous replicas of one Keras model, one per device."""
 
     def __init__(
         self,
-        spec,
+        model,
         devices,
         global_batch_size,
         all_reduce="auto",
@@ -56,11 +88,13 @@ class MirroredTrainer(Trainer):
         slowdown=False,
         chains=1,
         timed=True,
+        jit_compile=False,
+        may_be_empty=False,
     ):
         """
         Args:
-          spec: the model (`models.ModelSpec`); its factory is called in the
-            strategy's scope, so its weights and optimizer slots are mirrored.
+          model: a compiled, built Keras model (any kind): it is trained in place, its
+            variables mirrored over `devices` while the trainer is open.
           devices: canonical device names, one replica each.
           global_batch_size: examples per step over all replicas.
           all_reduce: see `cross_device_ops_for`.
@@ -71,22 +105,21 @@ class MirroredTrainer(Trainer):
           shards: with input "split", examples per replica, uneven if need be
             (the weighted split over all-reduce); None: near-equal.
           slowdown: build the simulated slowdown in (delays set by `set_delays`).
-          chains: how many side-by-side parts each replica cuts its shard into
-            (`steps.replica_gradients`).
+          chains: how many side-by-side pieces each replica cuts its shard into.
           timed: read each replica's seconds in the step (for auto powers and
             rebalancing); False leaves the host clock out of the step.
+          jit_compile: each piece's forward and backward pass is one XLA program.
+          may_be_empty: a batch may hold fewer examples than there are replicas.
         """
         self.devices = list(devices)
         self.balanced = shards is not None  # the weighted split over all-reduce
         self.chains = chains
         self.timed = timed
-        self.jit_compile = spec.jit_compile  # XLA for each replica's forward and backward
-        self.objective = spec.objective
         self.global_batch_size = global_batch_size
         self.input = input
         n = len(self.devices)
         if input == "split":
-            self.shards = list(shards or split_batch(global_batch_size, [1] * n))
+            self.shards = list(shards or split_batch(global_batch_size, [1] * n, few=True))
         elif shards is None:
             self.shards = even_split(global_batch_size, n)
         else:
@@ -96,19 +129,26 @@ class MirroredTrainer(Trainer):
             self.delays = (
                 tf.Variable([0.0] * n, dtype=tf.float64, trainable=False) if slowdown else None
             )
+        self.all_reduce = all_reduce
         self.strategy = make_strategy(self.devices, all_reduce)
-        with self.strategy.scope():
-            self.model = spec.make()
-            self.model.set_weights(spec.weights)
-            self.optimizer = self.model.optimizer
-            self.optimizer.build(self.model.trainable_variables)
-        self._train_step = tf.function(self._step)
-        self._predict_step = tf.function(self._predict, reduce_retracing=True)
-        self._seconds_alone = tf.function(self._alone)
-        self._seconds_together = tf.function(self._together)
+        self.model = model
+        self.placement = Placement(model, strategy=self.strategy)
+        self.placement.enter()
+        self.optimizer = model.optimizer
+        self.jit_compile = jit_compile
+        may_be_empty = may_be_empty or input == "dataset"
+        self.work = DeviceWork(model, chains, jit_compile, timed, may_be_empty)
+        self.probe = DeviceWork(model, chains, jit_compile, True, may_be_empty=True)
+        self.compile()
+        self._seconds_alone = tf.function(self._alone, autograph=False)
+        self._seconds_together = tf.function(self._together, autograph=False)
 
     def describe(self) -> str:
-        return "; gradients summed by allreduce" if self.balanced else ""
+        if not self.balanced:
+            return ""
+        if self.all_reduce == "reduce_to_one":
+            return "; gradients summed on device0 and sent back to the replicas"
+        return "; gradients summed by allreduce"
 
     @property
     def host_iterator(self) -> bool:
@@ -120,60 +160,53 @@ class MirroredTrainer(Trainer):
             return iter(dataset)
         return iter(self.strategy.experimental_distribute_dataset(dataset))
 
-    def train_step(self, iterator):
-        """One update on the next global batch; returns the loss, the outputs and times."""
-        return self._train_step(iterator)
-
-    def _step(self, iterator):
-        batch = next(iterator)
-        local = self.strategy.experimental_local_results
+    def _shards(self, batch):
+        """(this step's shards, one per replica, and the examples of the global batch)."""
         if self.input == "split":
             examples = num_examples(batch)  # the global batch, or an epoch's partial last one
             sizes = shard_sizes_for(examples, self.global_batch_size, self.shard_sizes)
-            shards = self._split(batch, sizes)
-        else:  # tf.distribute split it
-            examples = tf.add_n([num_examples(shard) for shard in local(batch)])
-            shards = batch
-        loss, predictions, seconds = self.strategy.run(self._replica_step, args=(shards, examples))
-        inputs = {"batch": batch} if self.input == "split" else {"batches": local(batch)}
-        return self._with_in_step(
-            {
-                "loss": self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None),
-                **inputs,
-                "predictions": local(predictions),
-                "device_seconds": tf.stack(local(seconds)),
-            }
-        )
+            return self._split(batch, sizes), examples
+        local = self.strategy.experimental_local_results(batch)  # tf.distribute split it
+        return batch, tf.add_n([num_examples(shard) for shard in local])
 
-    def _split(self, batch, sizes=None):
+    def _step(self, iterator):
+        shards, examples = self._shards(next(iterator))
+        with shards_lib.handing_over(self.model):
+            logs, seconds, held = self.strategy.run(self._replica_step, args=(shards, examples))
+        return {
+            "logs": replica_logs(self.strategy, self.model, logs, held),
+            "device_seconds": tf.stack(self.strategy.experimental_local_results(seconds)),
+        }
+
+    def _replica_step(self, shard, examples):
+        logs, gradients, held, seconds = self.work.train(shard, examples, self._delay())
+        gradients = clip_before_all_reduce(self.optimizer, gradients)
+        # Inside a replica, the optimizer all-reduces (sums) the gradients, then updates.
+        self.optimizer.apply_gradients(zip(gradients, self.work.variables))
+        return logs, seconds, held
+
+    def _test(self, batch):
+        examples = num_examples(batch)  # split on the host, as a training batch would be
+        sizes = shard_sizes_for(examples, self.global_batch_size, self.shard_sizes)
+        shards = self._split(batch, sizes)
+        logs, held = self.strategy.run(
+            lambda shard: (self.work.test(shard, examples), num_examples(shard) > 0),
+            args=(shards,),
+        )
+        return replica_logs(self.strategy, self.model, logs, held)
+
+    def _split(self, batch, sizes):
         """A global batch on the host -> one shard per replica."""
-        shards = split(batch, self.shard_sizes if sizes is None else sizes, len(self.devices))
+        shards = split(batch, sizes, len(self.devices))
         return self.strategy.experimental_distribute_values_from_function(
             lambda context: shards[context.replica_id_in_sync_group]
         )
 
-    def _replica_step(self, batch, examples):
-        gradients, loss, predictions, seconds = self._timed_gradients(batch, examples=examples)
-        gradients = clip_before_all_reduce(self.optimizer, gradients)
-        # Inside a replica, the optimizer all-reduces (sums) the gradients, then updates.
-        self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
-        return loss, predictions, seconds
-
-    def _timed_gradients(self, batch, timed=None, examples=None):
-        delay = None
-        if self.delays is not None:
-            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-            delay = tf.gather(self.delays, replica)
-        return timed_replica_gradients(
-            self.model,
-            self.objective,
-            batch,
-            self.global_batch_size if examples is None else examples,
-            delay,
-            self.chains,
-            self.timed if timed is None else timed,
-            self.jit_compile,
-        )
+    def _delay(self):
+        if self.delays is None:
+            return None
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        return tf.gather(self.delays, replica)
 
     def set_shards(self, shards) -> None:
         if self.input != "split":
@@ -181,40 +214,23 @@ class MirroredTrainer(Trainer):
         super().set_shards(shards)
 
     def _together(self, batch):
-        seconds = self.strategy.run(
-            lambda shard: self._timed_gradients(shard, timed=True)[3], args=(self._split(batch),)
-        )
-        return tf.stack(self.strategy.experimental_local_results(seconds))
+        sizes = tf.convert_to_tensor(self.shard_sizes)
+        return self._timed(batch, sizes)
 
     def _alone(self, batch, index):
         # The other replicas get empty shards: the same program, no work.
         sizes = [0] * len(self.devices)
         sizes[index] = num_examples(batch)
-        shards = self._split(batch, tf.stack(sizes))
-        seconds = self.strategy.run(
-            lambda shard: self._timed_gradients(shard, timed=True)[3], args=(shards,)
-        )
-        return self.strategy.experimental_local_results(seconds)[index]
+        return self._timed(batch, tf.stack(sizes))[index]
 
-    def predict(self, batch):
-        """The outputs and summed loss of an evaluation batch, split over the replicas."""
-        n = int(num_examples(batch))
-        sizes = split_batch(n, [1] * len(self.devices)) if n >= len(self.devices) else None
-        if sizes is None:  # fewer examples than replicas: the first ones take one each
-            sizes = [1] * n + [0] * (len(self.devices) - n)
-        summed, predictions = self._predict_step(batch, tf.constant(sizes))
-        return summed, concat(p for p, size in zip(predictions, sizes) if size)
+    def _timed(self, batch, sizes):
+        """Each replica's seconds for its train_step on its shard, without the update."""
+        examples = num_examples(batch)
 
-    def _predict(self, batch, sizes):
-        per_replica = self.strategy.run(
-            lambda shard: self.objective.summed_loss(self.model, shard),
-            args=(self._split(batch, sizes),),
-        )
-        loss, predictions = per_replica
-        summed = self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
-        return summed, self.strategy.experimental_local_results(predictions)
+        def seconds(shard):
+            return self.probe.train(shard, examples, self._delay())[3]
 
-    def set_weights(self, weights) -> None:
-        """Sets `weights` on every replica."""
-        with self.strategy.scope():
-            self.model.set_weights(weights)
+        with shards_lib.handing_over(self.model):
+            per_replica = self.strategy.run(seconds, args=(self._split(batch, sizes),))
+        return tf.stack(self.strategy.experimental_local_results(per_replica))
+

@@ -8,16 +8,17 @@ per local GPU. Per step:
      iterator and cuts its own slice on the host, by the split of that step
      (so the split can change between steps), then one piece per local
      replica;
-  2. each replica runs forward and backward on its shard, with the loss
-     divided by the global batch;
+  2. each replica runs the model's own train_step on its shard, its loss weighed
+     by the shard's examples (`steps.DeviceWork`, shards.py);
   3. the optimizer sums the gradients with a collective all-reduce over all
-     workers and applies one update (the compiled optimizer's) on every worker.
-So the update is the one `single` makes on the whole batch.
+     workers and applies one update (the model's optimizer's) on every worker.
+So the update is the one `single` makes on the whole batch. The metrics are
+sync-on-read variables: read after the step, they hold the whole cluster's batch.
 
-Rebalancing (`--rebalance_every`): each worker times its own forward and
-backward pass (`steps.timed_replica_gradients`); the seconds ride with the
-loss in the step's all-reduce, so every worker holds every worker's time,
-runs the same `balance.Rebalancing` on it and sets the same new split.
+Rebalancing (`--rebalance_every`): each worker times its own train_step
+(`steps.DeviceWork`); the seconds ride with the stop signals in one
+all-reduce, so every worker holds every worker's time, runs the same
+`balance.Rebalancing` on it and sets the same new split.
 
 Before any collective of training, the workers agree (`exchange.Cluster.agree`): on every
 setting that fixes the update and on the initial weights when the trainer is
@@ -34,6 +35,7 @@ import shutil
 import tempfile
 import time
 
+from tfdp import shards as shards_lib
 from tfdp.checkpoints import Checkpointer
 from tfdp.cluster import (
     Agreed,
@@ -46,8 +48,11 @@ from tfdp.devices import AUTO, split_batch
 from tfdp.errors import ConfigError
 from tfdp.exchange import Cluster
 from tfdp.signals import SIGNALS
+from tfdp.replicas import Placement
 from tfdp.split import WorkerSplit
+from tfdp.steps import DeviceWork, cut
 from tfdp.trainers.base import Trainer
+from tfdp.trainers.mirrored import replica_logs
 
 
 class MultiWorkerTrainer(Trainer):
@@ -56,15 +61,16 @@ class MultiWorkerTrainer(Trainer):
     unit = "worker(s)"
     Split = WorkerSplit
 
-    def __init__(self, strategy, cluster, spec, shards, config):
+    def __init__(self, strategy, cluster, model, shards, config, jit_compile=False):
         """
         Args:
           strategy: from `join_cluster`.
           cluster: from `find_cluster`.
-          spec: the model (`models.ModelSpec`); its factory is called in the
-            strategy's scope; its weights must be the same on every worker.
+          model: the compiled, built Keras model (any kind), the same on every worker:
+            trained in place, its variables made again in the strategy's scope.
           shards: examples per worker; they sum to the global batch.
           config: the run's settings; they must be the same on every worker.
+          jit_compile: each piece's forward and backward pass is one XLA program.
         """
         import tensorflow as tf
 
@@ -77,8 +83,6 @@ class MultiWorkerTrainer(Trainer):
         self.shards = list(shards)
         self.global_batch_size = sum(shards)
         self.local_replicas = len(strategy.extended.worker_devices)
-        self.spec = spec
-        self.objective = spec.objective
         self.exchange = Cluster(strategy, self.workers, self.index)
         # --rebalance_every or a simulated slowdown: each step times this worker
         slowdown = bool(config.simulate_slowdown)
@@ -87,17 +91,18 @@ class MultiWorkerTrainer(Trainer):
         with tf.device("/cpu:0"):  # the batch is cut on the host
             self.shard_sizes = tf.Variable(self.shards, dtype=tf.int32, trainable=False)
         self.delay = tf.Variable(0.0, dtype=tf.float64, trainable=False) if slowdown else None
-        with strategy.scope():
-            self.model = spec.make()
-            self.model.set_weights(spec.weights)
-            self.optimizer = self.model.optimizer
-            self.optimizer.build(self.model.trainable_variables)
-        self._train_step = tf.function(self._step)
-        self._predict_step = tf.function(self._predict, reduce_retracing=True)
-        self._all_gather = tf.function(self._gather_slices, reduce_retracing=True)
+        weights = model.get_weights()  # as the user's script made them, before a restore
+        self.model = model
+        self.placement = Placement(model, strategy=strategy)
+        self.placement.enter()
+        self.optimizer = model.optimizer
+        self.jit_compile = jit_compile
+        self.work = DeviceWork(model, 1, jit_compile, self.timed, may_be_empty=True)
+        self.probe = DeviceWork(model, 1, jit_compile, True, may_be_empty=True)
+        self.compile()
         self._gather = None  # arrays: indices -> their examples (`distribute_indices`)
         self.config = config
-        self.exchange.agree([*settings_to_agree(config), initial_weights(config, spec.weights)])
+        self.exchange.agree([*settings_to_agree(config), initial_weights(config, weights)])
 
     def distribute(self, dataset):
         """The iterator `train_step` reads: every global batch whole. The step cuts this
@@ -127,30 +132,28 @@ class MultiWorkerTrainer(Trainer):
         """This worker's examples of a full global batch, at the current split."""
         return self.shards[self.index]
 
-    def train_step(self, iterator):
-        """One update on the next global batch; returns the loss summed over the cluster
-        and this worker's outputs."""
-        metrics = self._train_step(iterator)
-        self.exchange.saw_step(metrics.pop("signals"))
-        return metrics
+    def train_step(self, iterator, steps: int = 1):
+        """`steps` updates on the next global batches; returns their logs (over the whole
+        cluster's batch) and the workers' seconds."""
+        outputs = super().train_step(iterator, steps)
+        self.exchange.saw_step(outputs.pop("signals"))
+        return outputs
 
     def _step(self, iterator):
-        from tfdp.objective import num_examples
+        from tfdp.steps import num_examples
 
         batch = next(iterator)  # a global batch, or its example indices (arrays)
         examples = num_examples(batch)  # the global batch, or an epoch's partial last one
         shards = self._own_shards(batch, examples)
-        summed, predictions, shard = self.strategy.run(self._replica_step, args=(shards, examples))
-        # The loss, the stop signals and each worker's seconds travel in one all-reduce.
-        summed = self.strategy.reduce("SUM", summed, axis=None)
-        local = self.strategy.experimental_local_results
+        with shards_lib.handing_over(self.model):
+            logs, held, sent = self.strategy.run(self._replica_step, args=(shards, examples))
+        # The stop signals and each worker's seconds travel in one all-reduce.
+        sent = self.strategy.reduce("SUM", sent, axis=None)
         signals = len(SIGNALS)
         return {
-            "loss": summed[0],
-            "signals": summed[1 : 1 + signals],
-            "device_seconds": summed[1 + signals :],
-            "batches": local(shard),
-            "predictions": local(predictions),
+            "logs": replica_logs(self.strategy, self.model, logs, held),
+            "signals": sent[:signals],
+            "device_seconds": sent[signals:],
         }
 
     def _own_shards(self, batch, examples):
@@ -172,88 +175,69 @@ class MultiWorkerTrainer(Trainer):
         )
 
     def _replica_step(self, batch, examples):
-        from tfdp.steps import clip_before_all_reduce, timed_replica_gradients
+        from tfdp.steps import clip_before_all_reduce
 
         tf = self.tf
-        gradients, loss, predictions, seconds = timed_replica_gradients(
-            self.model,
-            self.objective,
-            batch,
-            examples,
-            delay_per_example=self.delay,
-            timed=self.timed,
-            jit_compile=self.spec.jit_compile,
-        )
+        logs, gradients, held, seconds = self.work.train(batch, examples, self.delay)
         gradients = clip_before_all_reduce(self.optimizer, gradients)
         # Inside a replica, the optimizer all-reduces (sums) the gradients over all workers.
-        self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
+        self.optimizer.apply_gradients(zip(gradients, self.work.variables))
         # this worker's seconds at its place (the mean over its local replicas)
         own = tf.one_hot(self.index, len(self.workers), dtype=tf.float64) * seconds
         own = own / self.local_replicas
-        sent = [[loss], tf.cast(self.exchange.signals_caught, loss.dtype), tf.cast(own, loss.dtype)]
-        return tf.concat(sent, 0), predictions, batch
+        sent = [tf.cast(self.exchange.signals_caught, tf.float64), own]
+        return logs, held, tf.concat(sent, 0)
 
-    def compute_in_step(self, name, fn) -> bool:
-        return False  # a step holds this worker's slice only: see global_outputs
+    def _test(self, batch):
+        """The model's test_step on this worker's slice of an evaluation batch (split as a
+        training batch is); the metrics add up every worker's."""
+        from tfdp.steps import num_examples
 
-    def global_outputs(self, metrics) -> dict:
-        """A step's `metrics` with every worker's slices of the batch and outputs joined
-        in worker order: the global batch's (one all-gather; every worker must call it
-        on the same steps, as the loop does on logged steps)."""
-        from tfdp.objective import concat
-
-        if metrics.get("gathered"):
-            return metrics
-        joined = self._all_gather((concat(metrics["batches"]), concat(metrics["predictions"])))
-        batch, predictions = joined
-        return {**metrics, "batches": (batch,), "predictions": (predictions,), "gathered": True}
-
-    def _gather_slices(self, local):
-        # One replica per worker on CPUs; with several local GPUs, the first local
-        # replica carries the worker's slice and the others an empty one.
-        tf = self.tf
-
-        def gatherable(t):  # collectives have no kernel for half-precision floats
-            return tf.cast(t, tf.float32) if t.dtype in (tf.bfloat16, tf.float16) else t
-
-        def value(context):
-            first = context.replica_id_in_sync_group % self.local_replicas == 0
-            return tf.nest.map_structure(
-                lambda t: gatherable(t) if first else gatherable(t)[:0], local
-            )
-
-        per_replica = self.strategy.experimental_distribute_values_from_function(value)
-        return self.tf.nest.map_structure(lambda v: self.strategy.gather(v, axis=0), per_replica)
-
-    def predict(self, batch):
-        """The outputs and summed loss of an evaluation batch, computed by this worker
-        alone (every worker holds the same weights, and reads the same answer)."""
-        return self._predict_step(batch)
-
-    def _predict(self, batch):
-        return self.objective.summed_loss(self.model, batch)
+        examples = num_examples(batch)
+        saved, self._gather = self._gather, None  # evaluation batches are examples
+        try:
+            shards = self._own_shards(batch, examples)
+        finally:
+            self._gather = saved
+        logs, held = self.strategy.run(
+            lambda shard: (self.work.test(shard, examples), num_examples(shard) > 0),
+            args=(shards,),
+        )
+        return replica_logs(self.strategy, self.model, logs, held)
 
     def seconds_alone(self, batch, min_seconds: float = 0.5, min_steps: int = 5) -> float:
-        """This worker's seconds for forward and backward (no all-reduce) on `batch`, on a
-        local model copy, after tracing and a warm-up step: at least `min_steps` calls
-        and `min_seconds`."""
-        from tfdp.steps import replica_gradients
+        """This worker's seconds for its train_step without the update (no all-reduce) on
+        `batch`, after tracing and a warm-up step: at least `min_steps` calls and
+        `min_seconds`; the model's state as it was before."""
+        from tfdp.steps import num_examples
 
         tf = self.tf
-        model = self.spec.make()
-        model.set_weights(self.spec.weights)
+        examples = num_examples(batch)
 
-        def gradients():  # a value that needs every gradient, so none is pruned away
-            grads = replica_gradients(model, self.objective, batch, self.global_batch_size)[0]
-            return tf.add_n([tf.reduce_sum(g) for g in grads])
+        def work(shard):
+            gradients = self.probe.train(shard, examples)[1]
+            # a value that needs every gradient, so none is pruned away
+            return tf.add_n([tf.reduce_sum(g) for g in gradients])
 
-        step = tf.function(gradients)
-        for _ in range(2):  # tracing, then a warm step
-            step().numpy()
-        steps, start = 0, time.perf_counter()
-        while steps < min_steps or time.perf_counter() - start < min_seconds:
-            step().numpy()
-            steps += 1
+        @tf.function(autograph=False)
+        def step():
+            replicas = self.local_replicas
+            pieces = [batch] if replicas == 1 else cut(batch, replicas)
+            shards = self.strategy.experimental_distribute_values_from_function(
+                lambda context: pieces[context.replica_id_in_sync_group % replicas]
+            )
+            with shards_lib.handing_over(self.model):
+                return self.strategy.experimental_local_results(
+                    self.strategy.run(work, args=(shards,))
+                )
+
+        with self.untouched():
+            for _ in range(2):  # tracing, then a warm step
+                [t.numpy() for t in step()]
+            steps, start = 0, time.perf_counter()
+            while steps < min_steps or time.perf_counter() - start < min_seconds:
+                [t.numpy() for t in step()]
+                steps += 1
         return (time.perf_counter() - start) / steps
 
     def measure_powers(self, batch) -> dict:
@@ -263,7 +247,7 @@ class MultiWorkerTrainer(Trainer):
         global_batch / workers examples. The rates are exchanged with `gather`,
         so every worker computes the same partition.
         """
-        from tfdp.objective import num_examples
+        from tfdp.steps import num_examples
 
         rates = self.exchange.gather(int(num_examples(batch)) / self.seconds_alone(batch))
         powers = [round(r / max(rates), 4) for r in rates]
@@ -274,7 +258,7 @@ class MultiWorkerTrainer(Trainer):
         """`--simulate_slowdown=worker:I=F`: worker I alone becomes F times slower, by a
         sleep per example after its backward pass. Each worker times itself; every
         worker gets every worker's sleep, for the log. Returns the slowed workers'."""
-        from tfdp.objective import num_examples
+        from tfdp.steps import num_examples
 
         factor = factors.get(self.workers[self.index], 1.0)
         own = 0.0
@@ -299,10 +283,6 @@ class MultiWorkerTrainer(Trainer):
             "chief": self.is_chief,
             "worker_batch": self.worker_batch,
         }
-
-    def set_weights(self, weights) -> None:
-        with self.strategy.scope():
-            self.model.set_weights(weights)
 
 
 class WorkerCheckpointer(Checkpointer):
@@ -341,9 +321,11 @@ class WorkerCheckpointer(Checkpointer):
         return self.path(step)
 
 
-def build(config, shards, spec) -> MultiWorkerTrainer:
+def build(config, shards, model, jit_compile=False) -> MultiWorkerTrainer:
     """The trainer of `trainers.build_trainer` for mode multiworker."""
-    return MultiWorkerTrainer(join_cluster(config), find_cluster(config), spec, shards, config)
+    return MultiWorkerTrainer(
+        join_cluster(config), find_cluster(config), model, shards, config, jit_compile
+    )
 
 
 def initial_weights(config, weights) -> Agreed:

@@ -1,17 +1,18 @@
-"""The tutorial's heterogeneous path: weighted shards, sum on device 0, broadcast.
+"""The tutorial's heterogeneous path: weighted shards, sum on device 0, update there.
 
-One model copy lives on each device. Per step:
+The model's variables live on device 0 (`replicas.Placement`). Per step:
   1. the global batch (on the host) is cut into shards of the sizes given by
      `split_batch`, and shard j is copied to device j;
-  2. each device runs forward and backward on its shard;
+  2. each device runs the model's own train_step on its shard, reading device 0's
+     weights (TensorFlow copies each weight to it once: the tutorial's broadcast);
+     its loss is weighed by its examples and its gradients are handed over
+     instead of applied (shards.py);
   3. the gradients of devices 1..n-1 are copied to device 0 and summed there;
-  4. device 0 applies the model's compiled optimizer (the tutorial: plain SGD)
-     to its weights, with the optimizer's slots kept there;
-  5. device 0's new weights are copied to devices 1..n-1, as the next step (or
-     evaluation) begins: so weights set between steps (a callback's, a
-     restore's) reach every copy with no copy of their own.
-Moving statistics (batch norm) are the copies' values weighted by their shards.
-With one device this is plain single-device training: no copies at all.
+  4. device 0 applies the model's optimizer (the tutorial: plain SGD) once, with
+     the optimizer's slots kept there.
+Moving statistics (batch norm) are the devices' values weighted by their shards;
+the metrics add up every shard's examples. With one device this is the model's
+own train_step, as Keras runs it.
 
 The shard sizes live in a variable, so that a rebalanced split (balance.py)
 takes effect without tracing the step again; each step also reports how long
@@ -22,38 +23,47 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdp.devices import split_batch
-from tfdp.objective import concat, num_examples
-from tfdp.steps import shard_sizes_for, split, timed_replica_gradients
+from tfdp import shards as shards_lib
+from tfdp.replicas import Placement
+from tfdp.steps import DeviceWork, merged_logs, num_examples, shard_sizes_for, split
 from tfdp.trainers.base import Trainer
 
 
 class WeightedTrainer(Trainer):
     """Data-parallel training over devices of any kinds, with uneven shards."""
 
-    def __init__(self, spec, devices, shards, slowdown=False, chains=1, timed=True, balanced=False):
+    def __init__(
+        self,
+        model,
+        devices,
+        shards,
+        slowdown=False,
+        chains=1,
+        timed=True,
+        balanced=False,
+        jit_compile=False,
+        may_be_empty=False,
+    ):
         """
         Args:
-          spec: the model (`models.ModelSpec`): a factory of compiled copies, the
-            initial weights every copy starts from, and the objective.
-          devices: canonical device names; devices[0] holds the master weights
-            and the optimizer's slots, and applies the update.
+          model: a compiled, built Keras model (any kind): it is trained in place.
+          devices: canonical device names; devices[0] holds the weights and the
+            optimizer's slots, and applies the update.
           shards: examples per device; they sum to the global batch.
           slowdown: build the simulated slowdown in (delays set by `set_delays`).
-          chains: how many side-by-side parts each device cuts its shard into
-            (`steps.replica_gradients`).
+          chains: how many side-by-side pieces each device cuts its shard into.
           timed: read each device's seconds in the step (for auto powers and
             rebalancing); False leaves the host clock out of the step.
           balanced: the split is the run's own (mode weighted; single is this
             trainer on one device).
+          jit_compile: each piece's forward and backward pass is one XLA program.
+          may_be_empty: a batch may hold fewer examples than there are devices.
         """
         self.balanced = balanced
         self.devices = list(devices)
         self.shards = list(shards)
         self.chains = chains
         self.timed = timed
-        self.jit_compile = spec.jit_compile  # XLA for each device's forward and backward
-        self.objective = spec.objective
         self.global_batch_size = sum(shards)
         with tf.device("/cpu:0"):  # the batch is split on the host
             self.shard_sizes = tf.Variable(shards, dtype=tf.int32, trainable=False)
@@ -62,162 +72,114 @@ class WeightedTrainer(Trainer):
                 if slowdown
                 else None
             )
-        self.models = []
-        for device in self.devices:
-            with tf.device(device):
-                model = spec.make()
-                model.set_weights(spec.weights)
-            self.models.append(model)
-        with tf.device(self.devices[0]):
-            self.optimizer = self.models[0].optimizer
-            self.optimizer.build(self.models[0].trainable_variables)
-        # Variables the step changes besides the trainable ones (batch-norm moving
-        # statistics): combined over the copies after each step (`_combine_statistics`).
+        self.model = model
+        self.placement = Placement(model, device=self.devices[0])
+        self.placement.enter()
+        self.optimizer = model.optimizer
+        self.jit_compile = jit_compile
+        self.work = DeviceWork(model, chains, jit_compile, timed, may_be_empty)
+        self.probe = DeviceWork(model, chains, jit_compile, True, may_be_empty)  # timed
+        # One device, one piece, nothing timed: the model's train_step, as Keras runs it.
+        self.direct = len(self.devices) == 1 and chains == 1 and not timed and not slowdown
+        self._direct_step = model.train_step
+        if jit_compile and not model.run_eagerly:
+            self._direct_step = tf.function(model.train_step, jit_compile=True, autograph=False)
+        # Variables a step changes besides the trainable ones (batch-norm moving
+        # statistics): each device starts from the same values, and the step ends
+        # with the values weighted by the devices' shards.
         self._statistics = [
-            i
-            for i, w in enumerate(self.models[0].weights)
-            if not w.trainable and "float" in str(w.dtype)
-        ]
-        self._train_step = tf.function(self._step)
-        self._predict_step = tf.function(self._predict, reduce_retracing=True)
-        self._seconds_alone = tf.function(self._alone)
-        self._seconds_together = tf.function(self._together)
+            w for w in model.non_trainable_weights if "float" in str(w.dtype)
+        ] if len(self.devices) > 1 else []
+        self.compile()
+        self._seconds_alone = tf.function(self._alone, autograph=False)
+        self._seconds_together = tf.function(self._together, autograph=False)
 
     def describe(self) -> str:
         return "; gradients summed by device0" if self.balanced else ""
 
-    def distribute(self, dataset):
-        """The iterator `train_step` reads: global batches, on the host."""
-        return iter(dataset)
-
-    def train_step(self, iterator):
-        """One update on the next global batch; returns the loss, the outputs and times."""
-        return self._train_step(iterator)
-
     def _step(self, iterator):
-        self._broadcast()  # step 5 of the step before
         batch = next(iterator)
+        if self.direct:
+            with tf.device(self.devices[0]):
+                logs = self._direct_step(batch)
+            return {"logs": logs, "device_seconds": tf.zeros([1], tf.float64)}
         examples = num_examples(batch)  # the global batch, or an epoch's partial last one
         sizes = shard_sizes_for(examples, self.global_batch_size, self.shard_sizes)
-        shards = self._split(batch, sizes)
-        gradients, losses, predictions, seconds = self._shard_gradients(shards, examples)
-        master = self.models[0]
+        logs, gradients, held, seconds, statistics = self._devices(batch, examples, sizes)
         with tf.device(self.devices[0]):
             summed = [tf.add_n(list(per_device)) for per_device in zip(*gradients)]
-            self.optimizer.apply_gradients(zip(summed, master.trainable_variables))
-            loss = tf.add_n(losses)
-        self._combine_statistics()
-        return self._with_in_step(
-            {
-                "loss": loss,
-                "batch": batch,
-                "predictions": tuple(predictions),
-                "device_seconds": tf.stack(seconds),
-            }
-        )
+            self.optimizer.apply_gradients(zip(summed, self.work.variables))
+            self._combine_statistics(statistics, sizes, examples)
+        return {
+            "logs": merged_logs(self.model, logs, held),
+            "device_seconds": tf.stack(seconds),
+        }
 
-    def _shard_gradients(self, shards, examples=None, timed=None):
-        """Every device's forward and backward on its shard of a global batch of
-        `examples` (default: a full one), side by side.
+    def _devices(self, batch, examples, sizes, work=None):
+        """Every device's train_step on its shard, without the update. Returns per-device
+        lists: logs, gradients, whether it held examples, seconds, moving statistics."""
+        work = work or self.work
+        shards = self._split(batch, sizes)
+        before = [s.value.read_value() for s in self._statistics]
+        logs, gradients, held, seconds, statistics = [], [], [], [], []
+        with shards_lib.handing_over(self.model):
+            for i, (device, shard) in enumerate(zip(self.devices, shards)):
+                with tf.device(device):
+                    if i:  # every device starts from the same statistics
+                        for variable, value in zip(self._statistics, before):
+                            variable.assign(value)
+                    result = work.train(shard, examples, self._delay(i))
+                    statistics.append([s.value.read_value() for s in self._statistics])
+                for column, value in zip((logs, gradients, held, seconds), result):
+                    column.append(value)
+        return logs, gradients, held, seconds, statistics
 
-        Returns per-device lists: (gradients, losses, predictions, seconds).
-        """
-        per_device = []
-        for i, (device, model, shard) in enumerate(zip(self.devices, self.models, shards)):
-            with tf.device(device):
-                per_device.append(
-                    timed_replica_gradients(
-                        model,
-                        self.objective,
-                        shard,
-                        self.global_batch_size if examples is None else examples,
-                        self._delay(i),
-                        self.chains,
-                        self.timed if timed is None else timed,
-                        self.jit_compile,
-                    )
-                )
-        return tuple(list(column) for column in zip(*per_device))
-
-    def _combine_statistics(self):
-        """Moving statistics (batch norm) on device 0 := the copies' values weighted by
-        their shards. Each copy moved its statistics toward its own shard's; the
-        weighted mean moves the master toward the whole batch's mean exactly (and
-        toward the shard-weighted mean of the shards' variances)."""
-        if len(self.devices) == 1 or not self._statistics:
+    def _combine_statistics(self, statistics, sizes, examples):
+        """Moving statistics (batch norm) := the devices' values weighted by their shards.
+        Each device moved them toward its own shard's statistics; the weighted mean moves
+        them toward the whole batch's mean exactly (and toward the shard-weighted mean of
+        the shards' variances)."""
+        if not self._statistics:
             return
-        fractions = tf.cast(self.shard_sizes, tf.float32) / self.global_batch_size
-        with tf.device(self.devices[0]):
-            for i in self._statistics:
-                values = [model.weights[i].value for model in self.models]
-                mean = tf.add_n([tf.cast(fractions[j], v.dtype) * v for j, v in enumerate(values)])
-                self.models[0].weights[i].assign(mean)
+        fractions = tf.cast(sizes, tf.float32) / tf.cast(examples, tf.float32)
+        for i, variable in enumerate(self._statistics):
+            values = [device[i] for device in statistics]
+            mean = tf.add_n(
+                [tf.cast(fractions[j], v.dtype) * v for j, v in enumerate(values)]
+            )
+            variable.assign(mean)
 
-    def _split(self, batch, sizes=None):
-        """A global batch -> one shard per device, of the current sizes."""
+    def _split(self, batch, sizes):
+        """A global batch -> one shard per device, of `sizes`."""
         if len(self.devices) == 1:
             return [batch]
-        sizes = self.shard_sizes if sizes is None else sizes
         return split(batch, sizes, len(self.devices))
 
     def _delay(self, index):
         return None if self.delays is None else self.delays[index]
 
+    def _test(self, batch):
+        examples = num_examples(batch)
+        if len(self.devices) == 1:
+            with tf.device(self.devices[0]):
+                return self.model.test_step(batch)
+        sizes = shard_sizes_for(examples, self.global_batch_size, self.shard_sizes)
+        logs, held = [], []
+        for device, shard in zip(self.devices, self._split(batch, sizes)):
+            with tf.device(device):
+                logs.append(self.work.test(shard, examples))
+                held.append(num_examples(shard) > 0)
+        return merged_logs(self.model, logs, held)
+
     def _together(self, batch):
-        return tf.stack(self._shard_gradients(self._split(batch), timed=True)[3])
+        examples = num_examples(batch)
+        sizes = tf.convert_to_tensor(self.shard_sizes)
+        return tf.stack(self._devices(batch, examples, sizes, self.probe)[3])
 
     def _alone(self, batch, index):
-        with tf.device(self.devices[index]):
-            *_, seconds = timed_replica_gradients(
-                self.models[index],
-                self.objective,
-                batch,
-                self.global_batch_size,
-                self._delay(index),
-                self.chains,
-                jit_compile=self.jit_compile,
-            )
-        return seconds
-
-    def _broadcast(self):
-        """Step 5: device 0's weights -> every other device's copy."""
-        for device, model in zip(self.devices[1:], self.models[1:]):
-            with tf.device(device):
-                for target, source in zip(model.weights, self.models[0].weights):
-                    target.assign(source.value)
-
-    def predict(self, batch):
-        """The outputs and summed loss of an evaluation batch, split over the devices
-        like a training batch (a partial batch in the training proportions)."""
-        n = int(num_examples(batch))
-        sizes = (
-            split_batch(n, self.shards)
-            if n >= len(self.shards)
-            else [n] + [0] * (len(self.shards) - 1)
-        )
-        summed, predictions = self._predict_step(batch, tuple(sizes))
-        return summed, concat(predictions)
-
-    def _predict(self, batch, sizes):
-        self._broadcast()
-        losses, outputs = [], []
-        for device, model, shard, size in zip(
-            self.devices, self.models, self._split(batch, list(sizes)), sizes
-        ):
-            if size == 0:
-                continue
-            with tf.device(device):
-                loss, predictions = self.objective.summed_loss(model, shard)
-            losses.append(loss)
-            outputs.append(predictions)
-        with tf.device(self.devices[0]):
-            return tf.add_n(losses), outputs
-
-    def set_weights(self, weights) -> None:
-        """Sets `weights` on every copy."""
-        for model in self.models:
-            model.set_weights(weights)
+        with tf.device(self.devices[index]), shards_lib.handing_over(self.model):
+            return self.probe.train(batch, num_examples(batch), self._delay(index))[3]
 
     @property
-    def model(self):
-        return self.models[0]
+    def host_iterator(self) -> bool:
+        return True

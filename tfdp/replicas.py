@@ -1,0 +1,263 @@
+"""One way to replicate any model Keras can build: its variables placed for a mode.
+
+Keras trains a model under a `tf.distribute` strategy when its variables were
+made in the strategy's scope: each Keras variable then holds a distributed
+`tf.Variable` (mirrored for weights, sync-on-read for metrics). `Placement` does
+that to a model that already exists, whatever its kind (Functional, Sequential,
+subclassed, a Keras `Trainer` that is a layer): inside it, every variable of the
+model, its metrics and its optimizer holds a new `tf.Variable` made in the
+strategy's scope (or on one device), with the same value, aggregation and
+synchronization Keras gave it. The model object, its layers and its optimizer
+stay the user's, so its own `train_step`, callbacks holding it and checkpoints
+of it see one model. On leaving, the values go back into the variables the
+model had before, and the object is as Keras left it, with the trained weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+from tfdp.errors import ConfigError
+
+
+def optimizers_of(model) -> list:
+    """The model's optimizer and the ones it wraps (loss scaling)."""
+    found, optimizer = [], getattr(model, "optimizer", None)
+    while optimizer is not None and optimizer not in found:
+        found.append(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return found
+
+
+def variables_of(model) -> list:
+    """Every Keras variable of the model, its metrics and its optimizers, once each."""
+    seen, variables = set(), []
+    groups = [model.variables, model.metrics_variables]
+    groups += [optimizer.variables for optimizer in optimizers_of(model)]
+    for group in groups:
+        for variable in group:
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                variables.append(variable)
+    return variables
+
+
+def check_model(model, field: str = "model") -> None:
+    """ConfigError unless `model` is a compiled Keras trainer (a Model, or a layer that is
+    a Keras Trainer)."""
+    from keras.src.trainers.trainer import Trainer
+
+    if not isinstance(model, Trainer):
+        raise ConfigError(
+            field,
+            getattr(model, "name", type(model).__name__),
+            "is not a Keras model: give a compiled keras.Model (any kind), or a function "
+            "that returns one",
+        )
+    if not model.compiled:
+        raise ConfigError(
+            field,
+            model.name,
+            "is not compiled; call model.compile(optimizer=..., loss=...) first",
+        )
+
+
+def build(model, batch, field: str = "x") -> None:
+    """Builds what `fit` builds before its first step (the model, its compiled loss and
+    metrics, the optimizer) from a batch of examples, as Keras does (symbolically);
+    ConfigError naming `field` if the data does not fit the model."""
+    try:
+        with tf.device("/cpu:0"):
+            model._symbolic_build(data_batch=batch)  # noqa: SLF001 - Keras fit's own build
+    except Exception as error:  # Keras raises many kinds for data that does not fit
+        raise ConfigError(
+            field, described(batch), f"does not fit the model ({first_line(error)})"
+        ) from None
+
+
+def check_fits(model, batch, field: str) -> None:
+    """ConfigError naming `field` unless a batch of it fits the built model: its inputs the
+    model's, its targets the compiled loss's (checked symbolically, as Keras builds)."""
+    from keras.src import backend
+    from keras.src.trainers.data_adapters.data_adapter_utils import unpack_x_y_sample_weight
+
+    def symbolic(leaf):
+        return None if leaf is None else backend.KerasTensor(leaf.shape, leaf.dtype.name)
+
+    try:
+        x, y, sample_weight = unpack_x_y_sample_weight(tf.nest.map_structure(symbolic, batch))
+        y_pred = backend.compute_output_spec(model, x, training=False)
+        if y is not None:
+            backend.compute_output_spec(
+                model._compute_loss,  # noqa: SLF001
+                x,
+                y,
+                y_pred,
+                sample_weight=sample_weight,
+                training=False,
+            )
+    except Exception as error:  # Keras raises many kinds for data that does not fit
+        raise ConfigError(
+            field, described(batch), f"does not fit the model ({first_line(error)})"
+        ) from None
+
+
+def described(structure) -> str:
+    """Shapes of a nested structure, for an error line."""
+    try:
+        return str(tf.nest.map_structure(lambda t: tuple(t.shape), structure))
+    except Exception:  # noqa: BLE001 - only for a message
+        return type(structure).__name__
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+class Placement:
+    """The model's variables made again in `strategy`'s scope, or on `device`.
+
+    Use as a context manager, or `enter()` and `exit()`. While placed, the model's
+    `distribute_strategy` is the strategy (Keras' loss scaling and optimizer read
+    it) and its compiled functions are cleared (Keras makes them again).
+    """
+
+    def __init__(self, model, strategy=None, device=None):
+        self.model = model
+        self.strategy = strategy
+        self.device = device
+        self.saved = None
+
+    def __enter__(self):
+        self.enter()
+        return self
+
+    def __exit__(self, *exc):
+        self.exit()
+
+    def enter(self) -> None:
+        model = self.model
+        variables = variables_of(model)
+        self.saved = {
+            "values": [(v, v._value) for v in variables],  # noqa: SLF001
+            "strategy": model._distribute_strategy,  # noqa: SLF001
+            "optimizers": [(o, o._distribution_strategy) for o in optimizers_of(model)],  # noqa: SLF001
+        }
+        keys = _keys(model, variables)
+        scope = self.strategy.scope() if self.strategy else tf.device(self.device)
+        with scope:
+            for variable in variables:
+                _remake(variable, _value_of(variable))
+        model._distribute_strategy = self.strategy  # noqa: SLF001
+        for optimizer in optimizers_of(model):
+            optimizer._distribution_strategy = self.strategy or tf.distribute.get_strategy()  # noqa: SLF001
+        _rekey(model, variables, keys)
+        _clear_functions(model)
+
+    def exit(self) -> None:
+        """The trained values back into the variables the model had before."""
+        if self.saved is None:
+            return
+        model, saved = self.model, self.saved
+        self.saved = None
+        values = [(v, _value_of(v), original) for v, original in saved["values"]]
+        variables = [v for v, _ in saved["values"]]
+        keys = _keys(model, variables)
+        original_strategy = saved["strategy"]
+        scope = original_strategy.scope() if original_strategy else contextlib.nullcontext()
+        with scope:
+            for variable, value, original in values:
+                variable._value = original  # noqa: SLF001
+                original.assign(tf.cast(value, original.dtype))
+        model._distribute_strategy = original_strategy  # noqa: SLF001
+        for optimizer, strategy in saved["optimizers"]:
+            optimizer._distribution_strategy = strategy  # noqa: SLF001
+        _rekey(model, variables, keys)
+        _clear_functions(model)
+
+
+@contextlib.contextmanager
+def kept(variables):
+    """Inside: `variables` may change; afterwards each holds its value of before again, on
+    every replica of this process (read and put back replica by replica: no collective)."""
+    saved = []
+    for variable in variables:
+        value = variable._value  # noqa: SLF001
+        parts = getattr(value, "values", None)
+        if not isinstance(value, tf.distribute.DistributedValues) or not parts:
+            parts = (value,)
+        saved.append([(part, tf.identity(part.read_value())) for part in parts])
+    try:
+        yield
+    finally:
+        for parts in saved:
+            for part, old in parts:
+                part.assign(old)
+
+
+def _value_of(variable):
+    """A Keras variable's current value as one tensor: a mirrored variable's (they are
+    equal), a sync-on-read variable's aggregate over this process's replicas (a metric's
+    total). Only this process's replicas are read: reading a sync-on-read variable
+    across a cluster is a collective, which every worker would have to join."""
+    value = variable._value  # noqa: SLF001
+    with tf.device("/cpu:0"):
+        components = getattr(value, "values", None)
+        if not isinstance(value, tf.distribute.DistributedValues) or not components:
+            return tf.identity(value)
+        parts = [tf.identity(c.read_value()) for c in components]
+        on_read = value.synchronization == tf.VariableSynchronization.ON_READ
+        if on_read and value.aggregation == tf.VariableAggregation.SUM:
+            return tf.add_n(parts)
+        if on_read and value.aggregation == tf.VariableAggregation.MEAN:
+            return tf.add_n(parts) / len(parts)
+        return parts[0]
+
+
+def _remake(variable, value) -> None:
+    """The Keras variable holds a new tf.Variable of `value`, made where the caller's
+    scope says, with the aggregation and synchronization Keras gave it."""
+    variable._value = None  # noqa: SLF001
+    variable._initialize(value)  # noqa: SLF001 - Keras' own way to make it
+
+
+def _keys(model, variables) -> dict:
+    """Each optimizer's key of each variable (Keras' optimizers find a variable by its
+    tf.Variable's id), before the variables are made again."""
+    return {
+        id(optimizer): {id(v): optimizer._var_key(v) for v in variables}  # noqa: SLF001
+        for optimizer in optimizers_of(model)
+    }
+
+
+def _rekey(model, variables, before) -> None:
+    """The optimizers' tables keyed by a variable's old key, keyed by its new one."""
+    for optimizer in optimizers_of(model):
+        old = before[id(optimizer)]
+        new = {old[id(v)]: optimizer._var_key(v) for v in variables}  # noqa: SLF001
+        table = getattr(optimizer, "_trainable_variables_indices", None)
+        if table:
+            optimizer._trainable_variables_indices = {  # noqa: SLF001
+                new.get(key, key): index for key, index in table.items()
+            }
+        excluded = getattr(optimizer, "_exclude_from_weight_decay", None)
+        if excluded:
+            optimizer._exclude_from_weight_decay = {new.get(k, k) for k in excluded}  # noqa: SLF001
+        optimizer._exclude_from_weight_decay_cache = {}  # noqa: SLF001
+
+
+def _clear_functions(model) -> None:
+    for name in ("train_function", "test_function", "predict_function"):
+        if hasattr(model, name):
+            setattr(model, name, None)
+
+
+def keras_model_name(model) -> str:
+    return getattr(model, "name", None) or type(model).__name__
+
+
+__all__ = ["Placement", "build", "check_model", "keras", "variables_of"]

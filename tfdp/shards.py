@@ -1,0 +1,189 @@
+"""tfdp's exact weighting of uneven shards, in one place.
+
+Every mode runs the model's own `train_step` on each device's shard of the global
+batch (on each of its pieces, when a device cuts its shard into side-by-side
+chains). Two things make the sum of the pieces the update of one device on the
+whole batch, however unevenly the batch was cut:
+
+1. **The loss of a piece is weighed by its examples.** Keras scales a replica's
+   mean-type loss (the compiled loss, `add_loss` terms, regularizers) by 1/R for
+   R replicas (`keras.src.losses.loss.scale_loss_for_distribution`), exact only
+   for equal shards. While a piece is traced, tfdp's replacement scales it by
+   n/N instead (n examples of N in the global batch), and unscales the loss
+   trackers' values by the same factor. Keras decides which losses get the
+   factor ("sum" reductions do not), so it stays Keras' rule, with tfdp's weight.
+2. **The gradients go to the mode's reduction.** While a piece is traced,
+   `model.optimizer` is a `ShardOptimizer`: it keeps the gradients the step hands
+   to `apply_gradients` / `apply` instead of applying them. The mode then sums
+   the pieces' gradients (on device 0, or in the optimizer's all-reduce) and
+   applies them once with the model's real optimizer.
+
+A step that computes its loss without Keras' loss machinery (an overridden
+`train_step` taking `ops.mean` of its own loss) is never scaled; its gradients
+are weighed by n/N when handed over, which is exact for a loss that is a mean
+over the batch, and said once (`ShardContext.note`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import tensorflow as tf
+
+_local = threading.local()  # MirroredStrategy traces each replica in a thread of its own
+_installed = {}
+
+
+class ShardContext:
+    """What one piece's trace carries: its weight and the gradients its step handed over.
+
+    Attributes:
+      fraction: examples of the piece over examples of the global batch (a tensor).
+      scaled: Keras' distribution scaling was applied to a loss of the piece.
+      handed: (gradients, variables) pairs the step handed to `model.optimizer`.
+    """
+
+    def __init__(self, fraction):
+        self.fraction = fraction
+        self.scaled = False
+        self.handed = []
+
+
+def current() -> ShardContext | None:
+    return getattr(_local, "context", None)
+
+
+@contextlib.contextmanager
+def piece(fraction):
+    """Inside: the losses Keras scales for distribution are weighed by `fraction`."""
+    install()
+    outer = current()
+    context = _local.context = ShardContext(tf.convert_to_tensor(fraction, tf.float32))
+    try:
+        yield context
+    finally:
+        _local.context = outer
+
+
+def install() -> None:
+    """Replaces Keras' distribution scaling of losses with tfdp's, once per process. Outside
+    a tfdp piece the replacement is Keras' own function."""
+    if _installed:
+        return
+    from keras.src.losses import loss as loss_module
+
+    keras_scale = loss_module.scale_loss_for_distribution
+    keras_unscale = loss_module.unscale_loss_for_distribution
+
+    def scale_loss_for_distribution(value):
+        context = current()
+        if context is None:
+            return keras_scale(value)
+        context.scaled = True
+        return value * tf.cast(context.fraction, value.dtype)
+
+    def unscale_loss_for_distribution(value):
+        context = current()
+        if context is None:
+            return keras_unscale(value)
+        return tf.math.divide_no_nan(value, tf.cast(context.fraction, value.dtype))
+
+    loss_module.scale_loss_for_distribution = scale_loss_for_distribution
+    loss_module.unscale_loss_for_distribution = unscale_loss_for_distribution
+    _installed.update(scale=keras_scale, unscale=keras_unscale)
+
+
+class ShardOptimizer:
+    """Stands in for `model.optimizer` while a piece is traced: gradients handed to it are
+    kept in the piece's `ShardContext`; everything else is the real optimizer's (its loss
+    scaling, learning rate, iterations)."""
+
+    def __init__(self, optimizer):
+        object.__setattr__(self, "_optimizer", optimizer)
+
+    def __getattr__(self, name):
+        return getattr(self._optimizer, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._optimizer, name, value)
+
+    def apply_gradients(self, grads_and_vars):
+        grads, variables = zip(*list(grads_and_vars))
+        self.apply(grads, variables)
+        return self._optimizer.iterations
+
+    def apply(self, grads, trainable_variables=None):
+        context = current()
+        if context is None:  # outside tfdp's pieces (a callback's own step): the real one
+            return self._optimizer.apply(grads, trainable_variables)
+        if trainable_variables is None:
+            trainable_variables = self._optimizer._trainable_variables  # noqa: SLF001
+        context.handed.append((list(grads), list(trainable_variables)))
+
+
+@contextlib.contextmanager
+def handing_over(model):
+    """Inside: `model.optimizer` is a ShardOptimizer of the model's optimizer."""
+    optimizer = model.optimizer
+    if optimizer is None or isinstance(optimizer, ShardOptimizer):
+        yield
+        return
+    object.__setattr__(model, "optimizer", ShardOptimizer(optimizer))
+    try:
+        yield
+    finally:
+        object.__setattr__(model, "optimizer", optimizer)
+
+
+def overrides(model, name: str) -> bool:
+    """Whether `model`'s class overrides Keras' `name` (train_step, test_step, ...)."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from keras.src.trainers.trainer import Trainer
+
+    keras_own = getattr(TensorFlowTrainer, name, None) or getattr(Trainer, name)
+    return getattr(type(model), name, keras_own) is not keras_own
+
+
+class Handed:
+    """The gradients one piece handed over, summed by variable, in the order first seen."""
+
+    def __init__(self):
+        self.variables = []
+        self.gradients = {}
+
+    def add(self, gradients, variables, weight=None):
+        for gradient, variable in zip(gradients, variables):
+            if gradient is None:
+                continue
+            if isinstance(gradient, tf.IndexedSlices):
+                gradient = tf.convert_to_tensor(gradient)
+            if weight is not None:
+                gradient = gradient * tf.cast(weight, gradient.dtype)
+            key = id(variable)
+            if key in self.gradients:
+                self.gradients[key] = self.gradients[key] + gradient
+            else:
+                self.variables.append(variable)
+                self.gradients[key] = gradient
+
+    def pairs(self):
+        return [(self.gradients[id(v)], v) for v in self.variables]
+
+
+def train_piece(model, data, fraction):
+    """`model.train_step(data)` for a piece of `fraction` of the global batch: (its logs,
+    the gradients it handed over as a `Handed`, whether Keras scaled its loss)."""
+    with piece(fraction) as context, handing_over(model):
+        logs = model.train_step(data)
+    handed = Handed()
+    weigh = not context.scaled and overrides(model, "train_step")
+    for gradients, variables in context.handed:
+        handed.add(gradients, variables, context.fraction if weigh else None)
+    return logs, handed, context.scaled or not context.handed
+
+
+def test_piece(model, data, fraction):
+    """`model.test_step(data)` for a piece of `fraction` of the global batch: its logs."""
+    with piece(fraction):
+        return model.test_step(data)
