@@ -276,10 +276,19 @@ def test_train_start_step_resumes_exactly(start_step):
         np.testing.assert_array_equal(y1, y2)
 
 
-@pytest.mark.parametrize("batch_size", [0, 11])
-def test_train_rejects_bad_batch_size(batch_size):
-    with pytest.raises(ValueError, match=rf"batch_size={batch_size}: must be in 1\.\.N=10"):
-        data.train_dataset(indexed_arrays(10), batch_size, seed=0)
+def test_train_rejects_a_batch_size_below_one():
+    with pytest.raises(ValueError, match=r"batch_size=0: must be at least 1"):
+        data.train_dataset(indexed_arrays(10), 0, seed=0)
+    with pytest.raises(ValueError, match=r"batch_size=11: leaves no batch of the 10 examples"):
+        data.train_dataset(indexed_arrays(10), 11, seed=0, drop_remainder=True)
+
+
+def test_a_batch_larger_than_the_data_is_all_of_it_each_pass():
+    """As Keras fit takes it: one batch of every example, in a new order each pass."""
+    batches = iter(data.train_indices(indexed_arrays(10), 11, seed=0))
+    first, second = next(batches).numpy(), next(batches).numpy()
+    assert sorted(first.tolist()) == sorted(second.tolist()) == list(range(10))
+    assert first.tolist() != second.tolist()
 
 
 def test_train_and_eval_reject_bad_arguments():

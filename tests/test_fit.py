@@ -472,12 +472,48 @@ def test_tensorboard_writes_each_epochs_scalars(tmp_path):
     assert steps[("validation", "epoch_loss")] == [0, 1]
 
 
-def test_backup_and_restore_is_refused_for_model_dir(tmp_path):
+def test_backup_and_restore_is_refused_beside_model_dir(tmp_path):
     x, y = small_data()
-    callback = keras.callbacks.BackupAndRestore(str(tmp_path))
+    callback = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
     with pytest.raises(ConfigError) as refused:
-        tfdp.fit(small_model(), x, y, callbacks=[callback])
+        tfdp.fit(small_model(), x, y, callbacks=[callback], model_dir=str(tmp_path / "run"))
     assert refused.value.field == "callbacks" and "model_dir" in refused.value.reason
+    assert not (tmp_path / "backup").exists() and not (tmp_path / "run").exists()
+
+
+class StopAfterEpoch(keras.callbacks.Callback):
+    """Interrupts a fit at the end of epoch `epoch`, as a crash would."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError("interrupted")
+
+
+@pytest.mark.parametrize("settings", [{}, {"mode": "weighted", "devices": "cpu:0,cpu:1"}])
+def test_backup_and_restore_resumes_at_its_epoch_as_in_keras(settings, tmp_path):
+    """A fit interrupted after epoch 1 and run again with the same BackupAndRestore starts
+    at epoch 2 from the backed-up weights, as Keras' fit does: the same History epochs and
+    the same weights (without shuffling, Keras' batches are tfdp's)."""
+    x, y = small_data()
+    runs = {}
+    for name, fit in (("keras", None), ("tfdp", tfdp.fit)):
+        model, backup = small_model(), str(tmp_path / name)
+        train = (model.fit if fit is None else lambda *a, **k: fit(model, *a, **k, **settings))
+        common = dict(batch_size=32, shuffle=False, verbose=0)
+        with pytest.raises(RuntimeError, match="interrupted"):
+            train(x, y, epochs=4, callbacks=[keras.callbacks.BackupAndRestore(backup),
+                                             StopAfterEpoch(1)], **common)
+        history = train(x, y, epochs=4, callbacks=[keras.callbacks.BackupAndRestore(backup)],
+                        **common)
+        runs[name] = history.epoch, history.history["loss"], model.get_weights()
+    assert runs["tfdp"][0] == runs["keras"][0] == [2, 3]
+    np.testing.assert_allclose(runs["tfdp"][1], runs["keras"][1], rtol=1e-5)
+    for got, want in zip(runs["tfdp"][2], runs["keras"][2], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_tuple_of_inputs_without_targets_is_refused():

@@ -28,7 +28,8 @@ from tfdp.devices import (
 )
 from tfdp.hooks.report import banner
 from tfdp.launch import UsageError, check_gpus, parse_args, visible_gpus, worker_environment
-from tfdp.training import Plan, default_devices
+from tfdp.epochs import Schedule
+from tfdp.plan import Plan, default_devices
 
 CPU0, CPU1, GPU0, GPU1 = "/device:CPU:0", "/device:CPU:1", "/device:GPU:0", "/device:GPU:1"
 
@@ -103,7 +104,7 @@ class FakeTrainer:
 def plan_on(devices, **settings):
     config = Config(model="toy", batch_size=8, **settings)
     train = (np.zeros((16, 2), np.float32), np.zeros((16,), np.int32))
-    return Plan(config, devices, [4, 4], None, "toy", train, None, 2, 4, 2)
+    return Plan(config, devices, [4, 4], None, "toy", train, None, Schedule(2, None, 1, 0, 2))
 
 
 WARNING = (

@@ -227,11 +227,39 @@ def is_stream(data) -> bool:
 def size(data) -> int | None:
     """The examples in `data`: an Arrays, or a nested structure of arrays (checked), or a
     stream's examples per pass (None: unknown without reading it)."""
+    from tfdp.streams import EvalStream
+
     if isinstance(data, Arrays):
         return len(data)
     if is_stream(data):
         return data.examples
-    return len(tf.nest.flatten(data)[0])
+    if isinstance(data, EvalStream):
+        return None
+    return length(tf.nest.flatten(data)[0])
+
+
+def is_composite(leaf) -> bool:
+    """Whether a leaf is a sparse or ragged tensor (kept as it is, read by its rows)."""
+    return isinstance(leaf, (tf.SparseTensor, tf.RaggedTensor))
+
+
+def length(leaf) -> int | None:
+    """The examples of one leaf of data (rows of a sparse or ragged tensor); None: not an
+    array of examples."""
+    if isinstance(leaf, tf.SparseTensor):
+        return int(leaf.dense_shape[0])
+    if isinstance(leaf, tf.RaggedTensor):
+        return int(leaf.nrows())
+    return len(leaf) if np.ndim(leaf) else None
+
+
+def shape_of(leaf) -> tuple:
+    """A leaf's shape, for messages (a ragged tensor's ragged dimensions as None)."""
+    if isinstance(leaf, tf.SparseTensor):
+        return tuple(int(n) for n in leaf.dense_shape)
+    if isinstance(leaf, tf.RaggedTensor):
+        return tuple(leaf.shape.as_list())
+    return tuple(np.shape(leaf))
 
 
 def check_arrays(data, field: str) -> None:
@@ -240,13 +268,13 @@ def check_arrays(data, field: str) -> None:
     if isinstance(data, Arrays):
         return
     leaves = tf.nest.flatten(data)
-    lengths = [len(leaf) if np.ndim(leaf) else None for leaf in leaves]
+    lengths = [length(leaf) for leaf in leaves]
     if not leaves or None in lengths:
         raise ConfigError(
             field, type(data).__name__, "must be arrays (or a nested structure of them) of examples"
         )
     if len(set(lengths)) > 1:
-        shapes = tf.nest.map_structure(lambda leaf: tuple(np.shape(leaf)), data)
+        shapes = tf.nest.map_structure(shape_of, data)
         raise ConfigError(field, shapes, f"has leaves of different lengths {sorted(set(lengths))}")
     if lengths[0] == 0:
         raise ConfigError(field, 0, "has no examples")
@@ -254,9 +282,37 @@ def check_arrays(data, field: str) -> None:
 
 def take(data, begin: int, end: int):
     """Examples begin..end-1 of `data`, of the same kind."""
+    from tfdp.steps import rows
+
     if isinstance(data, Arrays):
         return Arrays(data.images[begin:end], data.labels[begin:end])
-    return tf.nest.map_structure(lambda leaf: leaf[begin:end], data)
+
+    def part(leaf):
+        if isinstance(leaf, tf.SparseTensor):
+            return rows(leaf, begin, min(end, length(leaf)) - begin)
+        return leaf[begin:end]
+
+    return tf.nest.map_structure(part, data)
+
+
+def gather_rows(leaf, indices):
+    """The rows `indices` of a dense, ragged or sparse tensor, in that order."""
+    if not isinstance(leaf, tf.SparseTensor):
+        return tf.gather(leaf, indices)
+    # a sparse tensor's entries in the rows asked for, their rows renumbered 0, 1, ...
+    indices = tf.cast(indices, tf.int64)
+    place = tf.scatter_nd(
+        indices[:, None], tf.range(tf.size(indices, tf.int64)) + 1, [leaf.dense_shape[0]]
+    ) - 1  # each row's place in `indices`, -1 for the rows not asked for
+    kept = tf.gather(place, leaf.indices[:, 0]) >= 0
+    entries = tf.boolean_mask(leaf.indices, kept)
+    rows = tf.gather(place, entries[:, 0])
+    selected = tf.SparseTensor(
+        tf.concat([rows[:, None], entries[:, 1:]], 1),
+        tf.boolean_mask(leaf.values, kept),
+        tf.concat([[tf.size(indices, tf.int64)], leaf.dense_shape[1:]], 0),
+    )
+    return tf.sparse.reorder(selected)
 
 
 def _to_tensors(data):
@@ -264,7 +320,9 @@ def _to_tensors(data):
     with tf.device("/cpu:0"):
         if isinstance(data, Arrays):
             return tf.convert_to_tensor(data.images), tf.convert_to_tensor(data.labels)
-        return tf.nest.map_structure(tf.convert_to_tensor, data)
+        return tf.nest.map_structure(
+            lambda leaf: leaf if is_composite(leaf) else tf.convert_to_tensor(leaf), data
+        )
 
 
 def _scale(images, labels):
@@ -287,8 +345,12 @@ def _as_they_are(*batch):
 
 def first_examples(data, count):
     """The first `count` examples as a model batch, on the host (for timing probes)."""
+    from tfdp.streams import EvalStream
+
     if is_stream(data):
         return data.first_examples(count)
+    if isinstance(data, EvalStream):
+        data = data.sample
     with tf.device("/cpu:0"):
         tensors = _to_tensors(take(data, 0, count))
         return _model_inputs(data)(*tensors) if isinstance(tensors, tuple) else tensors
@@ -337,7 +399,8 @@ def train_indices(arrays, batch_size, seed, start_step=0, drop_remainder=False, 
         arrays: the training split: an Arrays, or a nested structure of arrays
             (`(x, y)`, `(x, y, sample_weight)`, dict inputs) with one leading
             example axis; every leaf is cut the same way.
-        batch_size: global batch size, 1 <= batch_size <= N.
+        batch_size: global batch size, at least 1 (larger than N: each pass is one
+            batch of all N, as Keras fit takes it).
         seed: integer seed of the shuffle.
         start_step: first step to produce, for resuming exactly where training stopped.
         drop_remainder: leave out each epoch's last, partial batch.
@@ -348,16 +411,20 @@ def train_indices(arrays, batch_size, seed, start_step=0, drop_remainder=False, 
         partial batches occur.
 
     Raises:
-        ConfigError: `batch_size` outside 1..N, or negative `start_step`.
+        ConfigError: `batch_size` below 1, no batch at all, or negative `start_step`.
     """
     num_examples = size(arrays)
-    if not 1 <= batch_size <= num_examples:
-        raise ConfigError("batch_size", batch_size, f"must be in 1..N={num_examples}")
+    if batch_size < 1:
+        raise ConfigError("batch_size", batch_size, "must be at least 1")
     if start_step < 0:
         raise ConfigError("start_step", start_step, "must be >= 0")
     full, partial = divmod(num_examples, batch_size)
     partial = 0 if drop_remainder else partial
     epoch_steps = full + (partial > 0)
+    if not epoch_steps:
+        raise ConfigError(
+            "batch_size", batch_size, f"leaves no batch of the {num_examples} examples"
+        )
 
     def epoch_batches(epoch):
         # One order per pass over the data, cut into the index batches of its steps.
@@ -393,7 +460,7 @@ def gatherer(arrays):
     tensors, prepare = _to_tensors(arrays), _model_inputs(arrays)
 
     def gather(indices):
-        batch = tf.nest.map_structure(lambda t: tf.gather(t, indices), tensors)
+        batch = tf.nest.map_structure(lambda t: gather_rows(t, indices), tensors)
         return prepare(*batch) if isinstance(batch, tuple) else batch
 
     return gather
@@ -410,18 +477,29 @@ def prefetched(dataset):
     return dataset.prefetch(PREFETCH_BATCHES).with_options(_without_autotune())
 
 
-def eval_batches(arrays, batch_size):
+def eval_batches(arrays, batch_size, steps=None):
     """Builds the finite, unshuffled evaluation batches (the last one may be partial).
 
     Args:
-        arrays: the evaluation split.
-        batch_size: examples per batch, >= 1.
+        arrays: the evaluation split; or a streamed one (`streams.EvalStream`), read
+            batch by batch as it makes them.
+        batch_size: examples per batch, >= 1 (a batched stream keeps its own).
+        steps: only the first `steps` batches (None: all).
 
     Returns:
-        A dataset of (x float32, y int32) batches covering every example once, in order.
+        The batches (x, y) or (x, y, sample_weight) covering every example once, in order.
     """
+    from tfdp.streams import EvalStream
+
     if batch_size < 1:
         raise ConfigError("batch_size", batch_size, "must be >= 1")
+    if isinstance(arrays, EvalStream):
+        return arrays.batches(batch_size, steps)
+    batches = _eval_dataset(arrays, batch_size)
+    return batches.take(steps) if steps else batches
+
+
+def _eval_dataset(arrays, batch_size):
     return (
         tf.data.Dataset.from_tensor_slices(_to_tensors(arrays))
         .batch(batch_size)

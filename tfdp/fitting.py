@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 
-from tfdp import streams
+from tfdp import replicas, streams
 from tfdp.config import Config
 from tfdp.errors import ConfigError
 
@@ -86,7 +86,10 @@ def fit(
     from tfdp import training
     from tfdp.hooks.keras import check_callbacks
 
-    callbacks = check_callbacks(callbacks)
+    callbacks = check_callbacks(
+        callbacks, config.model_dir if config is not None else settings.get("model_dir")
+    )
+    epochs, steps_per_epoch = keras_caps(epochs, steps_per_epoch)
     if config is not None and settings:
         raise ConfigError("config", config, f"and settings {sorted(settings)} both given; give one")
     train, validation = fit_data(
@@ -121,6 +124,18 @@ def fit(
             )
         except TypeError as error:  # an unknown keyword
             raise ConfigError("settings", sorted(settings), str(error)) from None
+    with replicas.outside_strategy_scopes():
+        return _fit(model, train, validation, config, log, verbose, callbacks,
+                    validation_batch_size, validation_steps, validation_freq)
+
+
+def _fit(model, train, validation, config, log, verbose, callbacks, validation_batch_size,
+         validation_steps, validation_freq):
+    """`fit` once its settings are a Config."""
+    import keras
+
+    from tfdp import training
+
     plan = training.prepare(config, model=model, train_data=train, validation_data=validation)
     run_validation = None
     if plan.test_data is not None:
@@ -145,6 +160,24 @@ def fit(
     result.model.history = history
     history.result = result
     return history
+
+
+def keras_caps(epochs, steps_per_epoch):
+    """`epochs` and `steps_per_epoch` within Keras' debugging caps
+    (`keras.config.set_max_epochs`, `set_max_steps_per_epoch`), as Keras' fit caps them."""
+    import warnings
+
+    from keras.src.backend import config as keras_config
+
+    max_epochs = keras_config.max_epochs()
+    if max_epochs and max_epochs < epochs:
+        warnings.warn(f"Limiting epochs to {max_epochs}")
+        epochs = max_epochs
+    max_steps = keras_config.max_steps_per_epoch()
+    if max_steps and (not steps_per_epoch or max_steps < steps_per_epoch):
+        warnings.warn(f"Limiting steps_per_epoch to {max_steps}")
+        steps_per_epoch = max_steps
+    return epochs, steps_per_epoch
 
 
 def model_name(model) -> str:
@@ -189,19 +222,15 @@ def fit_data(x, y, sample_weight, class_weight, validation_split, validation_dat
             raise ConfigError(
                 "validation_split", validation_split, "needs arrays; give validation_data instead"
             )
-        if class_weight is not None:
-            if not isinstance(x, tf.data.Dataset):
-                raise ConfigError(
-                    "class_weight",
-                    class_weight,
-                    f"needs arrays or a tf.data.Dataset, not {type(x).__name__}",
-                )
+        if class_weight is not None and isinstance(x, tf.data.Dataset):
             from keras.src.trainers.data_adapters.tf_dataset_adapter import (
                 make_class_weight_map_fn,
             )
 
             x = x.map(make_class_weight_map_fn(class_weight))  # as Keras weighs a dataset
-        return x, sources.as_arrays(validation_data, "validation_data")
+        elif class_weight is not None:  # a PyDataset or a generator: each batch, as read
+            x = streams.with_class_weight(x, class_weight)
+        return x, validation_of(validation_data)
     else:
         if x is None:
             raise ConfigError("x", None, "has no training data")
@@ -230,9 +259,23 @@ def fit_data(x, y, sample_weight, class_weight, validation_split, validation_dat
             )
         weights = data_adapter_utils.class_weight_to_sample_weights(y_train, class_weight)
         train = (x_train, y_train, weights)
-    if validation_data is not None and not isinstance(validation_data, tf.data.Dataset):
-        val_x, val_y, val_weight = data_adapter_utils.unpack_x_y_sample_weight(
-            tuple(validation_data) if isinstance(validation_data, list) else validation_data
-        )
-        validation_data = (val_x, val_y) if val_weight is None else (val_x, val_y, val_weight)
-    return train, sources.as_arrays(validation_data, "validation_data")
+    return train, validation_of(validation_data)
+
+
+def validation_of(data):
+    """Keras fit's `validation_data` as tfdp reads it: a tuple (x, y) or (x, y,
+    sample_weight) of arrays held in memory; a tf.data pipeline, PyDataset or generator
+    streamed, batch by batch, at each validation (`streams.EvalStream`)."""
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    from tfdp import sources
+
+    if data is None:
+        return None
+    if streams.is_stream_input(data):
+        return streams.eval_stream(data)
+    val_x, val_y, val_weight = data_adapter_utils.unpack_x_y_sample_weight(
+        tuple(data) if isinstance(data, list) else data
+    )
+    data = (val_x, val_y) if val_weight is None else (val_x, val_y, val_weight)
+    return sources.as_arrays(data, "validation_data")

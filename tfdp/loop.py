@@ -40,11 +40,13 @@ class Run:
       iterator: what `trainer.train_step` reads the global batches from.
       log: where the run's lines go (`say` clears the progress line first).
       start_step: the step the run starts (or resumes) at.
-      step: steps done so far, which is also the input position.
-      outputs: the last execution's outputs, as the trainer returned them (tensors):
-        `logs`, the model's logs after its last step, and `device_seconds`.
-      first_step: the first step of the last execution (several steps, with the model's
+      cursor: where the run is in its epochs and its data (`epochs.Cursor`).
+      outputs: the last call's outputs, as the trainer returned them (tensors): `logs`,
+        the model's logs after its last step, `device_seconds` and `steps`.
+      first_step: the first step of the last call (several steps, with the model's
         `steps_per_execution`, run in one compiled call).
+      call: the batch indices of the last call in its epoch, (first, last), as Keras'
+        batch hooks get them.
       stopping: a hook asks the loop to stop after this step (and its epoch's end).
       result: what the hooks add to the run's result.
       progress: the live progress line, if any (`observe.Progress`).
@@ -58,60 +60,62 @@ class Run:
     iterator: object
     log: Callable[[str], None] = print
     start_step: int = 0
-    step: int = 0
+    cursor: object = None
     outputs: dict | None = None
     first_step: int = 0
+    call: tuple = (0, 0)
     stopping: bool = False
     result: dict = dataclasses.field(default_factory=dict)
     progress: object = None
     clock: Clock = dataclasses.field(default_factory=Clock)
     metrics: dict | None = None
     input_note: str | None = None
+    start_epoch_batch: int = 0  # the batch of its epoch the run started at (a resume)
+
+    def __post_init__(self):
+        if self.cursor is None:
+            self.cursor = self.plan.schedule.at(self.start_step)
+        self.start_epoch_batch = self.cursor.batch
+
+    @property
+    def step(self) -> int:
+        """Steps done so far, which is also the input position."""
+        return self.cursor.step
+
+    @property
+    def epoch(self) -> int:
+        return self.cursor.epoch
+
+    seek_input: Callable | None = None  # (cursor) -> the iterator at the cursor's step
+
+    def seek(self, epoch: int) -> None:
+        """Starts the run at the first batch of `epoch` instead (a callback restored a
+        backup of an earlier run there, as Keras' BackupAndRestore does)."""
+        self.cursor = self.plan.schedule.at_epoch(epoch)
+        if self.seek_input is not None:
+            self.iterator = self.seek_input(self.cursor)
 
     def say(self, line: str) -> None:
         if self.progress is not None:
             self.progress.clear()
         self.log(line)
 
-    def epoch_of(self, step: int) -> int:
-        """The epoch that step `step` (counted from 0) belongs to."""
-        return self.plan.initial_epoch + step // self.plan.steps_per_epoch
+    def at_epoch_end(self) -> bool:
+        """Whether the last call ended its epoch (or the run, which cuts an epoch short)."""
+        schedule = self.plan.schedule
+        return schedule.ends_epoch(self.cursor) or self.finishing()
 
-    def epochs(self) -> range:
-        """The epochs that have steps left to run."""
-        if self.start_step >= self.plan.total_steps:
-            return range(0)
-        return range(self.epoch_of(self.start_step), self.epoch_of(self.plan.total_steps - 1) + 1)
+    def finishing(self) -> bool:
+        """Whether the last call was the run's last (as planned: not a stop)."""
+        schedule, cursor = self.plan.schedule, self.cursor
+        if schedule.max_steps is not None and cursor.step >= schedule.max_steps:
+            return True
+        last = schedule.final_epoch is not None and cursor.epoch + 1 >= schedule.final_epoch
+        return last and schedule.ends_epoch(cursor)
 
-    def steps(self, epoch: int) -> range:
-        """The steps of `epoch` not yet run."""
-        first = (epoch - self.plan.initial_epoch) * self.plan.steps_per_epoch
-        end = min(first + self.plan.steps_per_epoch, self.plan.total_steps)
-        return range(max(first, self.start_step), end)
-
-    def executions(self, epoch: int):
-        """The steps of `epoch` not yet run, as (first, end) ranges each run in one
-        compiled call: `steps_per_execution` steps (Keras' batch hooks see one batch per
-        call), fewer where the epoch ends, and a step tfdp's hooks act after (a logged
-        step, a checkpoint, an evaluation) alone at its place."""
-        steps = self.steps(epoch)
-        every = self.plan.steps_per_execution
-        first = steps.start
-        for step in steps:
-            alone = self.plan.acts_after(step)
-            if alone and step > first:  # the steps before it, then it alone
-                yield first, step
-                first = step
-            if alone or step + 1 - first == every or step + 1 == steps.stop:
-                yield first, step + 1
-                first = step + 1
-
-    def batch_in_epoch(self, step: int) -> int:
-        return step % self.plan.steps_per_epoch
-
-    def ends_epoch(self, step: int) -> bool:
-        """Whether step `step` is its epoch's last (an epoch the planned end cuts short too)."""
-        return step + 1 == self.plan.total_steps or self.batch_in_epoch(step + 1) == 0
+    def is_log_point(self, step: int) -> bool:
+        """Whether the step's metrics are read: a logged step, or the run's last."""
+        return self.plan.logs(step) or self.finishing()
 
 
 class Hook:
@@ -175,24 +179,45 @@ class Hooks(Hook):
 
 
 def train_loop(run: Run, hooks: Hook) -> None:
-    """Trains from `run.start_step` to the planned end, or until a hook stops the run."""
+    """Trains from `run.cursor` to the planned end, or until a hook stops the run: epochs
+    by Keras' rule (`epochs.Schedule`), each in calls of `steps_per_execution` steps."""
+    schedule = run.plan.schedule
     try:
         hooks.on_train_begin(run)
-        for epoch in run.epochs():
-            if run.stopping:  # e.g. a run a callback had stopped, resumed
-                break
-            hooks.on_epoch_begin(run, epoch)
-            for first, end in run.executions(epoch):
-                run.first_step = first
-                hooks.on_step_begin(run, first)
-                run.outputs = run.trainer.train_step(run.iterator, end - first)
-                run.step = end
-                hooks.on_step_end(run, end - 1)
+        cursor = run.cursor  # (a callback may have moved it: `Run.seek`)
+        while schedule.running(cursor) and not run.stopping:
+            hooks.on_epoch_begin(run, cursor.epoch)
+            before = cursor.step
+            for batch, planned in schedule.calls(cursor):
+                count = alone_at(run, planned)
+                # Keras' batch hooks: a call's batches are first..first+k-1, also where
+                # the pass had fewer left; a call tfdp cuts for its own hooks, its own
+                last = batch + (schedule.per_execution if count == planned else count) - 1
+                run.first_step, run.call = cursor.step, (batch, last)
+                hooks.on_step_begin(run, cursor.step)
+                outputs = run.trainer.train_step(run.iterator, count)
+                ran = 0 if outputs is None else int(outputs["steps"])
+                schedule.ran(cursor, count, ran)
+                if not ran:
+                    break  # the pass had ended: so does the epoch, as in Keras
+                run.outputs = outputs
+                hooks.on_step_end(run, cursor.step - 1)
                 if run.stopping:
                     break
-            hooks.on_epoch_end(run, epoch)
-            if run.stopping:
-                break
+            hooks.on_epoch_end(run, cursor.epoch)
+            schedule.end_epoch(cursor)
+            if cursor.step == before and schedule.final_epoch is None:
+                break  # the data has ended for good (a generator): nothing more to train on
         hooks.on_train_end(run)
     finally:
         hooks.close(run)
+
+
+def alone_at(run: Run, count: int) -> int:
+    """`count` steps, or fewer so that a step tfdp's hooks act after (a logged step, a
+    checkpoint, an evaluation) ends its call."""
+    first = run.cursor.step
+    for step in range(first, first + count):
+        if run.plan.acts_after(step) or run.plan.logs(step + 1):
+            return step - first + 1
+    return count

@@ -52,13 +52,15 @@ class Progress:
         done = step - self.start_step
         elapsed = now - self.start_time
         rate = done / elapsed if done and elapsed > 0 else 0.0  # no time yet: no rate
-        eta = (self.total_steps - step) / rate if rate else 0.0
+        known = self.total_steps is not None  # a stream of unknown length: no end in sight
+        eta = (self.total_steps - step) / rate if rate and known else 0.0
         values = metrics() if callable(metrics) else metrics
         names = sorted(values, key=lambda name: name != "loss")  # the loss first
         shown = " | ".join(f"{name} {float(values[name]):.4f}" for name in names)
         line = (
-            f"step {step}/{self.total_steps} | {shown} | "
-            f"{rate * self.batch_size:.0f} images/s | ETA {format_duration(eta)}"
+            f"step {step}/{self.total_steps if known else '?'} | {shown} | "
+            f"{rate * self.batch_size:.0f} images/s"
+            + (f" | ETA {format_duration(eta)}" if known else "")
         )
         self.width = max(self.width, len(line))
         self.stream.write("\r" + line.ljust(self.width))

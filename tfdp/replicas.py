@@ -69,8 +69,9 @@ def build(model, batch, field: str = "x") -> None:
     """Builds what `fit` builds before its first step (the model, its compiled loss and
     metrics, the optimizer) from a batch of examples, as Keras does (symbolically);
     ConfigError naming `field` if the data does not fit the model."""
+    own = getattr(model, "_distribute_strategy", None)  # built in a strategy's scope: there
     try:
-        with tf.device("/cpu:0"):
+        with own.scope() if own else tf.device("/cpu:0"):
             model._symbolic_build(data_batch=batch)  # noqa: SLF001 - Keras fit's own build
     except Exception as error:  # Keras raises many kinds for data that does not fit
         raise ConfigError(
@@ -178,6 +179,26 @@ class Placement:
             optimizer._distribution_strategy = strategy  # noqa: SLF001
         _rekey(model, variables, keys)
         _clear_functions(model)
+
+
+@contextlib.contextmanager
+def outside_strategy_scopes():
+    """Inside: no tf.distribute strategy scope the caller entered is current (a script
+    that calls tfdp.fit within `strategy.scope()`): the mode's own strategy, or none,
+    decides where the model trains."""
+    from tensorflow.python.framework import ops
+
+    graph = ops.get_default_graph()
+    # A strategy's scope pushes itself and its variable creator; both set aside here
+    strategies = graph._distribution_strategy_stack  # noqa: SLF001 - TensorFlow's own
+    creators = graph._variable_creator_stack  # noqa: SLF001
+    graph._distribution_strategy_stack = []  # noqa: SLF001
+    graph._variable_creator_stack = []  # noqa: SLF001
+    try:
+        yield
+    finally:
+        graph._distribution_strategy_stack = strategies  # noqa: SLF001
+        graph._variable_creator_stack = creators  # noqa: SLF001
 
 
 @contextlib.contextmanager

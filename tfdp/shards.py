@@ -153,22 +153,30 @@ class Handed:
         self.gradients = {}
 
     def add(self, gradients, variables, weight=None):
+        from tfdp.steps import add_gradients
+
         for gradient, variable in zip(gradients, variables):
             if gradient is None:
                 continue
-            if isinstance(gradient, tf.IndexedSlices):
-                gradient = tf.convert_to_tensor(gradient)
             if weight is not None:
-                gradient = gradient * tf.cast(weight, gradient.dtype)
+                gradient = _weighed(gradient, weight)
             key = id(variable)
             if key in self.gradients:
-                self.gradients[key] = self.gradients[key] + gradient
+                self.gradients[key] = add_gradients(self.gradients[key], gradient)
             else:
                 self.variables.append(variable)
                 self.gradients[key] = gradient
 
     def pairs(self):
         return [(self.gradients[id(v)], v) for v in self.variables]
+
+
+def _weighed(gradient, weight):
+    """A gradient times `weight` (a sparse one's rows)."""
+    if isinstance(gradient, tf.IndexedSlices):
+        values = gradient.values * tf.cast(weight, gradient.values.dtype)
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    return gradient * tf.cast(weight, gradient.dtype)
 
 
 def train_piece(model, data, fraction):

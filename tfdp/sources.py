@@ -88,8 +88,11 @@ def as_arrays(data, field: str, value=None, part: str | None = None):
 
     if isinstance(data, tf.data.Dataset):
         data = _read_dataset(data, field, value, where)
+    from keras.src import tree
+
+    data = tree.lists_to_tuples(data)  # as Keras reads it: tf.data takes a list for a tensor
     try:
-        arrays = tf.nest.map_structure(np.asarray, data)
+        arrays = tf.nest.map_structure(as_leaf, data)
     except (TypeError, ValueError) as error:
         raise ConfigError(field, value or type(data).__name__, f"is not arrays ({error})") from None
     try:
@@ -99,6 +102,20 @@ def as_arrays(data, field: str, value=None, part: str | None = None):
             raise
         raise ConfigError(field, value, f"{where}: {error.reason}") from None
     return arrays
+
+
+def as_leaf(leaf):
+    """One leaf of data as tfdp holds it: a numpy array, or a sparse or ragged tensor
+    (scipy's sparse matrices as tf.SparseTensor, as Keras takes them)."""
+    import tensorflow as tf
+
+    if isinstance(leaf, (tf.SparseTensor, tf.RaggedTensor)):
+        return leaf
+    if hasattr(leaf, "tocoo") and hasattr(leaf, "nnz"):  # a scipy sparse matrix
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        return data_adapter_utils.scipy_sparse_to_tf_sparse(leaf)
+    return np.asarray(leaf)
 
 
 def _read_dataset(dataset, field, value, where):

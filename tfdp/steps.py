@@ -18,8 +18,64 @@ from tfdp import shards as shards_lib
 
 
 def num_examples(batch) -> tf.Tensor:
-    """The examples in a batch: the length of its first leaf."""
-    return tf.shape(tf.nest.flatten(batch)[0])[0]
+    """The examples in a batch: the length of its first leaf (dense, sparse or ragged)."""
+    leaf = tf.nest.flatten(batch)[0]
+    if isinstance(leaf, tf.SparseTensor):
+        return tf.cast(leaf.dense_shape[0], tf.int32)
+    if isinstance(leaf, tf.RaggedTensor):
+        return tf.cast(leaf.nrows(), tf.int32)
+    return tf.shape(leaf)[0]
+
+
+def add_gradients(a, b):
+    """Two gradients of a variable, summed; two sparse ones (IndexedSlices, an embedding's)
+    stay sparse: their rows side by side, as the optimizer adds them up."""
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape
+        )
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+
+
+def sum_gradients(per_device):
+    """Lists of gradients (one per device, in the same order) -> their sums."""
+    sums = []
+    for gradients in zip(*per_device):
+        if all(isinstance(g, tf.Tensor) for g in gradients):
+            sums.append(tf.add_n(list(gradients)))
+            continue
+        total = gradients[0]
+        for gradient in gradients[1:]:
+            total = add_gradients(total, gradient)
+        sums.append(total)
+    return sums
+
+
+def zeros_like_gradient(gradient, variable):
+    """What an empty piece adds to `variable`'s gradient, like `gradient`: nothing (no rows,
+    for a sparse one). Made from shapes alone, so that it may stand in another branch."""
+    shape = tf.TensorShape(variable.shape)
+    if isinstance(gradient, tf.IndexedSlices):
+        values = tf.zeros([0, *shape[1:]], gradient.values.dtype)
+        indices = tf.zeros([0], gradient.indices.dtype)
+        dense = None
+        if gradient.dense_shape is not None:
+            dense = tf.constant(shape.as_list(), gradient.dense_shape.dtype)
+        return tf.IndexedSlices(values, indices, dense)
+    return tf.zeros(shape, gradient.dtype)
+
+
+def _zeros_like(tensor):
+    """Zeros of a tensor's shape and dtype, from its static shape where it is known (so that
+    they may stand in another branch of a tf.cond)."""
+    if tensor.shape.is_fully_defined():
+        return tf.zeros(tensor.shape, tensor.dtype)
+    return tf.zeros_like(tensor)
+
+
+def _identity(structure):
+    """tf.identity of every tensor of a structure (the parts of sparse and ragged ones too)."""
+    return tf.nest.map_structure(tf.identity, structure, expand_composites=True)
 
 
 class DeviceWork:
@@ -46,6 +102,7 @@ class DeviceWork:
         self.timed = timed
         self.may_be_empty = may_be_empty
         self.variables = None  # of the gradients, in order (known once traced)
+        self.gradients_like = None  # a piece's gradients, once one has run (their kinds)
         self.weighed = False  # a piece's own loss was weighed by its examples (shards.py)
         run = self._train_piece
         test = shards_lib.test_piece
@@ -61,9 +118,9 @@ class DeviceWork:
         n = num_examples(shard)
         start = None
         if self.timed or delay_per_example is not None:
-            start = _clock(tf.nest.flatten(shard)[0])
+            start = _clock(tf.nest.flatten(shard, expand_composites=True)[0])
             with tf.control_dependencies([start]):  # the work starts after the clock is read
-                shard = tf.nest.map_structure(tf.identity, shard)
+                shard = _identity(shard)
         parts = cut(shard, self.chains) if self.chains > 1 else [shard]
         logs, gradients = None, None
         for index, part in enumerate(parts):
@@ -74,10 +131,10 @@ class DeviceWork:
                 continue
             size = num_examples(part)
             logs = tf.nest.map_structure(lambda new, old: tf.where(size > 0, new, old), part_logs, logs)
-            gradients = [g + p for g, p in zip(gradients, part_gradients)]
+            gradients = [add_gradients(g, p) for g, p in zip(gradients, part_gradients)]
         seconds = tf.constant(0.0, tf.float64)
         if start is not None:
-            end = _clock(*gradients) if gradients else _clock(n)
+            end = _clock(*tf.nest.flatten(gradients, expand_composites=True) or [n])
             if delay_per_example is not None:
                 end = tf.numpy_function(
                     _sleep_then_clock,
@@ -86,7 +143,7 @@ class DeviceWork:
                     stateful=False,
                 )
             with tf.control_dependencies([end]):
-                gradients = [tf.identity(g) for g in gradients]  # released once the clock is read
+                gradients = _identity(gradients)  # released once the clock is read
             seconds = end - start
         return logs, gradients, n > 0, seconds
 
@@ -98,14 +155,26 @@ class DeviceWork:
 
         def run():
             logs, gradients = self._run(part, fraction)
-            traced["logs"] = logs
+            traced.update(logs=logs, gradients=gradients)
+            self.gradients_like = gradients
             return logs, gradients
 
         def nothing():  # traced after `run` (tf.cond traces the true branch first)
-            zeros = tf.nest.map_structure(tf.zeros_like, traced["logs"])
-            return zeros, [tf.zeros_like(v) for v in self.variables]
+            like = traced.get("logs", self.logs_like)
+            zeros = tf.nest.map_structure(_zeros_like, like)
+            gradients = traced.get("gradients", self.gradients_like)
+            if gradients is None:  # eager, and no piece has run yet
+                return zeros, [tf.zeros_like(v) for v in self.model.trainable_variables]
+            return zeros, [zeros_like_gradient(g, v) for g, v in zip(gradients, self.variables)]
 
+        if tf.executing_eagerly():  # run_eagerly: only the branch taken runs
+            return run() if bool(num_examples(part) > 0) else nothing()
         return tf.cond(num_examples(part) > 0, run, nothing)
+
+    @property
+    def logs_like(self):
+        """What a piece's logs look like, before one has run: the model's metrics."""
+        return _tensors(self.model.get_metrics_result())
 
     def _train_piece(self, part, fraction):
         logs, handed, scaled = shards_lib.train_piece(self.model, part, fraction)
@@ -132,8 +201,10 @@ class DeviceWork:
             return traced["logs"]
 
         def nothing():
-            return tf.nest.map_structure(tf.zeros_like, traced["logs"])
+            return tf.nest.map_structure(_zeros_like, traced.get("logs", self.logs_like))
 
+        if tf.executing_eagerly():
+            return run() if bool(num_examples(shard) > 0) else nothing()
         return tf.cond(num_examples(shard) > 0, run, nothing)
 
 
@@ -200,9 +271,26 @@ def shard_sizes_for(examples, global_batch_size, shards):
 
 
 def split(batch, sizes, parts):
-    """A nested batch cut along its first axis into pieces of `sizes`: a list of batches."""
-    leaves = [tf.split(leaf, sizes, num=parts) for leaf in tf.nest.flatten(batch)]
-    return [tf.nest.pack_sequence_as(batch, [pieces[j] for pieces in leaves]) for j in range(parts)]
+    """A nested batch cut along its first axis into pieces of `sizes`: a list of batches.
+    Sparse and ragged leaves are cut by their rows."""
+    leaves = tf.nest.flatten(batch)
+    if all(isinstance(leaf, tf.Tensor) for leaf in leaves):
+        pieces = [tf.split(leaf, sizes, num=parts) for leaf in leaves]
+    else:
+        sizes = tf.convert_to_tensor(sizes)
+        starts = tf.concat([[0], tf.cumsum(sizes)[:-1]], 0)
+        pieces = [[rows(leaf, starts[j], sizes[j]) for j in range(parts)] for leaf in leaves]
+    return [tf.nest.pack_sequence_as(batch, [piece[j] for piece in pieces]) for j in range(parts)]
+
+
+def rows(leaf, begin, size):
+    """Rows begin..begin+size-1 of a dense, ragged or sparse tensor."""
+    if isinstance(leaf, tf.SparseTensor):
+        rank = leaf.shape.rank
+        start = tf.concat([tf.reshape(tf.cast(begin, tf.int64), [1]), tf.zeros([rank - 1], tf.int64)], 0)
+        extent = tf.concat([tf.reshape(tf.cast(size, tf.int64), [1]), leaf.dense_shape[1:]], 0)
+        return tf.sparse.slice(leaf, start, extent)
+    return leaf[begin : begin + size]
 
 
 def clip_before_all_reduce(optimizer, gradients):

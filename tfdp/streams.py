@@ -20,6 +20,7 @@ import itertools
 import types
 from collections.abc import Callable
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -43,7 +44,7 @@ class Stream:
     Attributes:
         dataset: one pass of global batches (or the whole stream, if infinite).
         batch_size: the examples of a full global batch.
-        batches: batches of one pass; None: infinite, or unknown until read.
+        batches: batches of one pass; None: infinite (`endless`), or unknown until read.
         examples: examples of one pass, when known without reading it.
         source: what the user gave, as errors name it ("tf.data.Dataset", ...).
         one_pass: whether `dataset` is one pass, run again for each pass (a
@@ -54,6 +55,7 @@ class Stream:
             an iteration of the pipeline, and move its seeded shuffles on by one).
         starting_at: for a source read by index (a PyDataset), the stream from a
             step on, the batches before it not read; None: read from the start.
+        endless: the source never ends (an infinite dataset or PyDataset).
     """
 
     dataset: tf.data.Dataset
@@ -64,6 +66,14 @@ class Stream:
     one_pass: bool
     sample: object
     starting_at: Callable[[int], tf.data.Dataset] | None = None
+    endless: bool = False
+
+    @property
+    def marked(self) -> bool:
+        """Whether each pass ends with a marker element: a pipeline run again for each
+        pass, of a length not known before reading it. Each element is then (batch,
+        whether the pass has ended); the marker's batch has no examples."""
+        return self.one_pass and self.batches is None and not self.endless
 
     @property
     def last_batch(self) -> int:
@@ -74,18 +84,39 @@ class Stream:
 
     def first_examples(self, count: int):
         """The first `count` examples (at most a batch), as a model batch on the host."""
-        with tf.device("/cpu:0"):
-            return tf.nest.map_structure(lambda leaf: tf.constant(leaf[:count]), self.sample)
+        from tfdp.data import take
 
-    def training_batches(self, start_step: int = 0) -> tf.data.Dataset:
+        with tf.device("/cpu:0"):
+            return tf.nest.map_structure(
+                lambda leaf: leaf if isinstance(leaf, tf.SparseTensor) else tf.constant(leaf),
+                take(self.sample, 0, count),
+            )
+
+    def training_batches(self, start_step: int = 0, passes: int = 0) -> tf.data.Dataset:
         """The global batches of steps start_step, start_step + 1, ...: pass after pass,
-        each a new run of the pipeline."""
+        each a new run of the pipeline (`passes`: passes ended before `start_step`, whose
+        markers come before it in a marked stream)."""
         if start_step and self.starting_at is not None:
             return self.starting_at(start_step).prefetch(PREFETCH_BATCHES)
         stream = self.dataset
+        if self.marked:
+            # a pass's end, in the stream: an element of no examples, marked
+            spec = stream.element_spec
+            empty = tf.nest.map_structure(
+                lambda leaf: tf.zeros((0, *leaf.shape[1:]), leaf.dtype), spec
+            )
+            ended = tf.data.Dataset.from_tensors((empty, tf.constant(True)))
+            stream = stream.map(lambda *batch: (_packed(batch), tf.constant(False)))
+            stream = stream.concatenate(ended).repeat()
+            return stream.skip(start_step + passes).prefetch(PREFETCH_BATCHES)
         if self.one_pass and self.batches is not None:
             stream = stream.repeat()
         return stream.skip(start_step).prefetch(PREFETCH_BATCHES)
+
+
+def _packed(batch):
+    """A map function's arguments as the element they came from."""
+    return batch if len(batch) > 1 else batch[0]
 
 
 def is_stream_input(x) -> bool:
@@ -139,14 +170,40 @@ def dataset_batching(dataset) -> tuple[bool, int | None, bool]:
 
 
 def _batch_size_of(first) -> int:
-    return int(np.shape(tf.nest.flatten(first)[0])[0])
+    from tfdp.data import length
+
+    return length(tf.nest.flatten(first)[0])
+
+
+def _as_leaves(batch):
+    """A batch a generator or PyDataset made, as tfdp holds data: numpy arrays, sparse and
+    ragged tensors (scipy's sparse matrices as tf.SparseTensor); lists become tuples."""
+    from tfdp.sources import as_leaf
+
+    return tf.nest.map_structure(as_leaf, tuple(batch) if isinstance(batch, list) else batch)
+
+
+def _spec_of(leaf):
+    """The element spec of one leaf of a batch, any batch size."""
+    shape = (None, *leaf.shape[1:])
+    if isinstance(leaf, tf.SparseTensor):
+        return tf.SparseTensorSpec(shape, leaf.dtype)
+    if isinstance(leaf, tf.RaggedTensor):
+        return tf.RaggedTensorSpec(shape, leaf.dtype, leaf.ragged_rank, leaf.row_splits.dtype)
+    return tf.TensorSpec(shape, tf.as_dtype(leaf.dtype))
 
 
 def _zeros(spec, batch_size: int):
     """A batch of zeros of a dataset's element spec."""
 
     def zeros(leaf):
-        if not isinstance(leaf, tf.TensorSpec) or not leaf.shape[1:].is_fully_defined():
+        known = leaf.shape[1:].is_fully_defined()
+        if isinstance(leaf, tf.SparseTensorSpec) and known:  # no entries
+            rank = leaf.shape.rank
+            return tf.SparseTensor(
+                tf.zeros([0, rank], tf.int64), tf.zeros([0], leaf.dtype), [batch_size, *leaf.shape[1:]]
+            )
+        if not isinstance(leaf, tf.TensorSpec) or not known:
             raise ConfigError(
                 "x",
                 "tf.data.Dataset",
@@ -198,21 +255,20 @@ def from_dataset(dataset, batch_size, drop_remainder, field="x", source="tf.data
     elif dropped and batches is not None:
         examples = batches * size
     sample = _zeros(dataset.element_spec, size)
-    return Stream(dataset, size, batches, examples, source, True, sample)
+    endless = cardinality == tf.data.INFINITE_CARDINALITY
+    return Stream(dataset, size, batches, examples, source, True, sample, endless=endless)
 
 
 def _own_batches(first, batch_size, source: str):
     """(the first batch as numpy arrays, its batch size, the element signature) of a
     source that makes its own batches; a `batch_size` that differs is an error."""
-    first = tf.nest.map_structure(np.asarray, tuple(first) if isinstance(first, list) else first)
+    first = _as_leaves(first)
     size = _batch_size_of(first)
     if batch_size is not None and batch_size != size:
         raise ConfigError(
             "batch_size", batch_size, f"disagrees with the {source}'s batches of {size}"
         )
-    signature = tf.nest.map_structure(
-        lambda leaf: tf.TensorSpec((None, *leaf.shape[1:]), tf.as_dtype(leaf.dtype)), first
-    )
+    signature = tf.nest.map_structure(_spec_of, first)
     return first, size, signature
 
 
@@ -228,21 +284,21 @@ def checked(numbered, first, batch_size: int):
     batch axis, at most `batch_size` examples, as many in every part. numbered: pairs
     (the batch's number in the source, the batch). A batch that differs is a ValueError
     naming it, raised before it is trained on."""
-    expected = tf.nest.map_structure(lambda leaf: leaf.shape[1:], first)
+    from tfdp.data import length
+
+    expected = tf.nest.map_structure(lambda leaf: tuple(leaf.shape[1:]), first)
     for index, batch in numbered:
-        batch = tf.nest.map_structure(
-            np.asarray, tuple(batch) if isinstance(batch, list) else batch
-        )
+        batch = _as_leaves(batch)
         try:
             tf.nest.assert_same_structure(first, batch, check_types=False)
-            shapes = tf.nest.map_structure(lambda leaf: leaf.shape[1:], batch)
+            shapes = tf.nest.map_structure(lambda leaf: tuple(leaf.shape[1:]), batch)
         except (TypeError, ValueError):
             shapes = None
         if shapes != expected:
             raise ValueError(
                 f"its batch {index} is {_described(batch)}, where its first was {_described(first)}"
             )
-        lengths = {len(leaf) for leaf in tf.nest.flatten(batch)}
+        lengths = {length(leaf) for leaf in tf.nest.flatten(batch)}
         if len(lengths) > 1 or max(lengths) > batch_size:
             raise ValueError(
                 f"its batch {index} is {_described(batch)}: "
@@ -262,8 +318,12 @@ def from_generator(generator, batch_size, field="x"):
     except StopIteration:
         raise ConfigError(field, "generator", "has no examples") from None
     first, size, signature = _own_batches(first, batch_size, "generator")
+    read = []  # a generator is read once: a second pass over it finds it ended
 
     def batches():
+        if read:
+            return
+        read.append(True)
         yield first
         yield from checked(enumerate(generator, 1), first, size)
 
@@ -307,5 +367,130 @@ def from_py_dataset(py_dataset, batch_size, shuffle, seed, field="x"):
         )
 
     return Stream(
-        starting_at(0), size, count, None, "PyDataset", False, first, starting_at=starting_at
+        starting_at(0),
+        size,
+        count,
+        None,
+        "PyDataset",
+        False,
+        first,
+        starting_at=starting_at,
+        endless=count is None,
     )
+
+
+def with_class_weight(x, class_weight):
+    """A PyDataset or generator whose batches carry Keras' sample weights of
+    `class_weight` (`class_weight_to_sample_weights` of their targets), as Keras' fit
+    weighs them."""
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    def weighed(batch):
+        x_part, y, weights = keras.utils.unpack_x_y_sample_weight(
+            tuple(batch) if isinstance(batch, list) else batch
+        )
+        if weights is not None:
+            raise ValueError(
+                "its batches hold sample weights, and class_weight was given too; Keras "
+                "takes one"
+            )
+        y = np.asarray(y)
+        return x_part, y, data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
+
+    if isinstance(x, keras.utils.PyDataset):
+        return _WeighedPyDataset(x, weighed)
+    return (weighed(batch) for batch in x)
+
+
+class _WeighedPyDataset(keras.utils.PyDataset):
+    """A PyDataset's batches, weighed (`with_class_weight`)."""
+
+    def __init__(self, py_dataset, weighed):
+        super().__init__()
+        self.py_dataset = py_dataset
+        self.weighed = weighed
+
+    def __len__(self):
+        return len(self.py_dataset)
+
+    @property
+    def num_batches(self):
+        return self.py_dataset.num_batches
+
+    def __getitem__(self, index):
+        return self.weighed(self.py_dataset[index])
+
+    def on_epoch_begin(self):
+        self.py_dataset.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.py_dataset.on_epoch_end()
+
+
+@dataclasses.dataclass
+class EvalStream:
+    """Validation data read batch by batch at each evaluation, as Keras' `evaluate` reads
+    it: a tf.data pipeline (batched, or batched here to the validation batch size) or a
+    PyDataset from its start every time; a generator on from where it stopped.
+
+    Attributes:
+      source: what the user gave, as errors name it.
+      sample: a batch of it as the model reads it (zeros of a pipeline's spec, or the
+        first batch of a PyDataset or generator), to check it fits the model.
+      read: (batch_size, steps or None) -> an iterable of batches.
+      endless: it never ends: an evaluation needs `validation_steps`.
+    """
+
+    source: str
+    sample: object
+    read: Callable
+    endless: bool = False
+
+    def batches(self, batch_size: int, steps: int | None):
+        return self.read(batch_size, steps)
+
+
+def eval_stream(data, field: str = "validation_data") -> EvalStream:
+    """The EvalStream of validation data Keras' fit would stream (`is_stream_input`)."""
+
+    if isinstance(data, tf.data.Dataset):
+        batched, size, _ = dataset_batching(data)
+        cardinality = int(data.cardinality())
+        if cardinality == 0:
+            raise ConfigError(field, "tf.data.Dataset", "has no examples")
+
+        def read_dataset(batch_size, steps):
+            dataset = data if batched else data.batch(batch_size)
+            return dataset.take(steps) if steps else dataset
+
+        spec = data.element_spec if batched else tf.nest.map_structure(
+            lambda leaf: tf.TensorSpec((None, *leaf.shape), leaf.dtype), data.element_spec
+        )
+        sample = _zeros(spec, 2)
+        endless = cardinality == tf.data.INFINITE_CARDINALITY
+        return EvalStream("tf.data.Dataset", sample, read_dataset, endless)
+    if isinstance(data, keras.utils.PyDataset):
+        count = data.num_batches
+        if count == 0:
+            raise ConfigError(field, "PyDataset", "has no examples")
+
+        def read_py_dataset(batch_size, steps):
+            last = count if steps is None else min(steps, count or steps)
+            return (_as_batch(data[i]) for i in range(last))
+
+        return EvalStream("PyDataset", _as_batch(data[0]), read_py_dataset, count is None)
+    try:
+        first = next(data)
+    except StopIteration:
+        raise ConfigError(field, "generator", "has no examples") from None
+    rest = itertools.chain([first], data)  # read on from where the last evaluation stopped
+
+    def read_generator(batch_size, steps):
+        return (_as_batch(batch) for batch in itertools.islice(rest, steps))
+
+    return EvalStream("generator", _as_batch(first), read_generator)
+
+
+def _as_batch(batch):
+    """A batch a PyDataset or generator made, as tfdp holds data (`_as_leaves`)."""
+    return _as_leaves(batch)

@@ -28,7 +28,7 @@ class Checkpoints(Hook):
             self.saved = run.start_step, self.checkpointer.path(run.start_step)
 
     def on_step_end(self, run, step):
-        if not run.ends_epoch(step):
+        if not run.at_epoch_end():
             self.save_if_due(run)
 
     def on_epoch_end(self, run, epoch):
@@ -39,7 +39,7 @@ class Checkpoints(Hook):
 
     def save_if_due(self, run) -> None:
         every = run.plan.config.checkpoint_every
-        if run.step % every == 0 or run.step == run.plan.total_steps:
+        if run.step % every == 0 or run.finishing():
             self.save(run)
 
     def save(self, run) -> str:

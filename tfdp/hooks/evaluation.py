@@ -21,8 +21,7 @@ def evaluate(trainer, data, batch_size: int, callbacks=None, steps: int | None =
 
     trainer.model.reset_metrics()
     logs = {}
-    batches = data_lib.eval_batches(data, batch_size)
-    for index, batch in enumerate(batches.take(steps) if steps else batches):
+    for index, batch in enumerate(data_lib.eval_batches(data, batch_size, steps)):
         if callbacks is not None:
             callbacks.on_test_batch_begin(index)
         logs = floats(trainer.test_step(batch))
@@ -53,7 +52,7 @@ class Evaluation(Hook):
 
     def on_step_end(self, run, step):
         every, done = run.plan.config.eval_every, step + 1
-        if every and done % every == 0 and done != run.plan.total_steps:
+        if every and done % every == 0 and not run.finishing():
             start = time.perf_counter()
             self.evaluate(run, done)
             run.clock.side_seconds += time.perf_counter() - start
@@ -69,9 +68,10 @@ class Evaluation(Hook):
             values = evaluate(run.trainer, plan.test_data, plan.config.batch_size)
         named = {f"test_{k}": v for k, v in values.items()}
         run.result["evals"].append({"iteration": step, **named})
+        examples = data_lib.size(plan.test_data)
         run.say(
-            f"iteration {step}, {described(values, 'test ')} "
-            f"({data_lib.size(plan.test_data)} examples)"
+            f"iteration {step}, {described(values, 'test ')}"
+            + (f" ({examples} examples)" if examples is not None else "")
         )
         if self.summaries:
             self.summaries.write_eval(step, named)

@@ -42,7 +42,7 @@ class FiniteGuard(Hook):
         loss = run.outputs["logs"].get("loss") if isinstance(run.outputs["logs"], dict) else None
         if loss is not None:  # the loss's running mean: non-finite from the bad step on
             self.pending.append((step, loss))
-        if run.plan.is_log_point(step):
+        if run.is_log_point(step):
             self.check_losses(run)
 
     def check_losses(self, run) -> None:

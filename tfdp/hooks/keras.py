@@ -51,16 +51,17 @@ FILE_WRITERS = (
 )
 
 
-def check_callbacks(callbacks) -> list:
-    """The user's callbacks as a list; ConfigError for one tfdp cannot run exactly."""
+def check_callbacks(callbacks, model_dir=None) -> list:
+    """The user's callbacks as a list; ConfigError for one tfdp cannot run with the run's
+    settings."""
     callbacks = list(callbacks or [])
     for callback in callbacks:
-        if isinstance(callback, keras.callbacks.BackupAndRestore):
+        if isinstance(callback, keras.callbacks.BackupAndRestore) and model_dir:
             raise ConfigError(
                 "callbacks",
                 type(callback).__name__,
-                "restarts an interrupted epoch from its first batch; give tfdp.fit a "
-                "model_dir instead: it resumes at the next batch, with every callback's state",
+                f"and model_dir={model_dir!r} both resume an interrupted run; give one "
+                "(model_dir resumes at the next batch, with every callback's state)",
             )
         if not isinstance(callback, keras.callbacks.Callback):
             raise ConfigError(
@@ -112,9 +113,13 @@ class KerasCallbacks(Hook):
         if self.saved_state is not None:
             self.restore(self.saved_state)
             run.stopping = self.model.stop_training
-        self.resumed_in = (
-            run.epoch_of(run.start_step) if run.batch_in_epoch(run.start_step) else None
-        )
+        # Keras' fit starts at the model's `_initial_epoch` when a callback set it in
+        # on_train_begin (BackupAndRestore, restoring its backup)
+        restored = getattr(self.model, "_initial_epoch", None)
+        if restored and not run.start_step and restored != run.cursor.epoch:
+            run.seek(restored)
+        # the unbroken run began this epoch before the checkpoint
+        self.resumed_in = run.cursor.epoch if run.start_epoch_batch else None
 
     def on_epoch_begin(self, run, epoch):
         if epoch == self.resumed_in:  # the unbroken run began this epoch before the checkpoint
@@ -123,11 +128,11 @@ class KerasCallbacks(Hook):
         self.list.on_epoch_begin(epoch)
 
     def on_step_begin(self, run, step):
-        self.list.on_train_batch_begin(run.batch_in_epoch(step))
+        self.list.on_train_batch_begin(run.call[0])
 
     def on_step_end(self, run, step):
         self.logs = floats(run.outputs["logs"])
-        self.list.on_train_batch_end(run.batch_in_epoch(step), self.logs)
+        self.list.on_train_batch_end(run.call[1], self.logs)
         if self.model.stop_training:
             run.stopping = True
 
@@ -141,6 +146,7 @@ class KerasCallbacks(Hook):
             run.stopping = True
 
     def on_train_end(self, run):
+        finalize(self.model)
         self.list.on_train_end(logs=self.epoch_logs or None)
         run.result["history"] = {k: list(map(float, v)) for k, v in self.history.history.items()}
         run.result["epochs"] = list(self.history.epoch)
@@ -184,6 +190,13 @@ class KerasCallbacks(Hook):
             variable.assign(value)
         for callback, saved in zip(self.list.callbacks, state["callbacks"]):
             restore_callback(callback, saved)
+
+
+def finalize(model) -> None:
+    """What Keras' fit does after its last epoch: the optimizer's final values (its moving
+    averages replace the weights, with `use_ema`)."""
+    if isinstance(model.optimizer, keras.optimizers.Optimizer):
+        model.optimizer.finalize_variable_values(model.trainable_weights)
 
 
 def callback_state(callback) -> dict | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 from tfdp.devices import short_name
@@ -30,13 +31,23 @@ def banner(plan, trainer, start_step: int, shards: list[int], input_note=None) -
     """The batch arithmetic, printed once at start."""
     config, n = plan.config, len(plan.devices)
     split = " + ".join(str(s) for s in shards)
-    epochs = plan.total_steps / plan.batches_per_pass
+    per_pass, total = plan.batches_per_pass, plan.total_steps
+    if per_pass is None:
+        data = "passes of a stream of unknown length (an epoch ends where a pass does)"
+    elif per_pass == math.inf:
+        data = f"an endless stream, epochs of {plan.steps_per_epoch} steps"
+    else:
+        of = "a stream" if plan.examples is None else f"{plan.examples} examples"
+        data = f"{per_pass} steps per epoch of {of}"
+    if total is None:
+        steps = f"epochs {plan.initial_epoch}-{plan.final_epoch - 1}"
+    elif per_pass in (None, math.inf):
+        steps = f"{total} iterations"
+    else:
+        steps = f"{total} iterations ({total / per_pass:.2f} epochs)"
     text = (
         f"global batch {config.batch_size} = {split} over {n} {trainer.unit}, mode {config.mode}; "
-        f"{plan.batches_per_pass} steps per epoch of "
-        f"{'a stream' if plan.examples is None else f'{plan.examples} examples'}; "
-        f"{plan.total_steps} iterations ({epochs:.2f} epochs) at learning rate "
-        f"{learning_rate(trainer.optimizer):g}"
+        f"{data}; {steps} at learning rate {learning_rate(trainer.optimizer):g}"
     )
     schedule = schedule_of(trainer.optimizer)
     if schedule is not None:  # its value at the first step
@@ -108,7 +119,7 @@ class TutorialLog(Hook):
             _wait_for(run.outputs)  # the first call includes tracing
             run.clock.first_step_seconds = run.clock.seconds()
             self.first_end = run.step
-        if not run.plan.is_log_point(step):
+        if not run.is_log_point(step):
             return
         run.metrics = floats(run.outputs["logs"])
         if run.plan.logs(step):
@@ -118,13 +129,13 @@ class TutorialLog(Hook):
     def on_train_end(self, run):
         plan, clock = run.plan, run.clock
         seconds = clock.seconds()
-        steps_run = plan.total_steps - run.start_step
+        steps_run = run.step - run.start_step
         steady = seconds - clock.side_seconds - clock.first_step_seconds
         first_end = getattr(self, "first_end", run.start_step + 1)
         images_per_second = (
-            plan.examples_in(first_end, plan.total_steps) / steady
-            if plan.total_steps > first_end and steady > 0
-            else plan.examples_in(run.start_step, plan.total_steps) / max(seconds, 1e-9)
+            plan.examples_in(first_end, run.step) / steady
+            if run.step > first_end and steady > 0
+            else plan.examples_in(run.start_step, run.step) / max(seconds, 1e-9)
         )
         run.say(
             f"time for {steps_run} iterations of {plan.model_name} on "
@@ -151,7 +162,7 @@ class ProgressLine(Hook):
     def on_step_end(self, run, step):
         self.run = run
         done = step + 1
-        self.progress.update(done, self.metrics, force=done == run.plan.total_steps)
+        self.progress.update(done, self.metrics, force=run.finishing())
 
     def metrics(self):
         """The last step's metrics, read only when the line is shown."""

@@ -22,11 +22,11 @@ class StopOnSignal(Hook):
 
     def on_step_end(self, run, step):
         self.signum = run.trainer.exchange.agree_to_stop(self.signals.signum or 0)
-        if self.signum and run.step < run.plan.total_steps and not run.ends_epoch(step):
+        if self.signum and not run.finishing() and not run.at_epoch_end():
             self.stop(run)
 
     def on_epoch_end(self, run, epoch):
-        if self.signum and run.step < run.plan.total_steps:
+        if self.signum and not run.finishing():
             self.stop(run)
 
     def stop(self, run):

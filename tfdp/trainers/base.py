@@ -69,32 +69,96 @@ class Trainer:
             wrap = _eager
         else:
             wrap = lambda f: tf.function(f, autograph=False, reduce_retracing=True)  # noqa: E731
-        self._train_step = wrap(self._step)
+        self._train_step = wrap(self._one_step)
         self._train_steps = wrap(self._steps)
         self._test_step = wrap(self._test)
 
-    def train_step(self, iterator, steps: int = 1) -> dict:
-        """`steps` updates on the next global batches, in one compiled call (Keras'
-        `steps_per_execution`). Returns tensors: `logs`, what the model's train_step
-        returned for the last of them, its metrics over the whole batch (running values
-        since `model.reset_metrics()`), and `device_seconds` of that step (zeros where
-        devices are not timed)."""
-        if steps == 1:
-            return self._train_step(iterator)
-        return self._train_steps(iterator, tf.constant(steps))
+    def train_step(self, iterator, steps: int = 1) -> dict | None:
+        """Up to `steps` updates on the next global batches, in one compiled call (Keras'
+        `steps_per_execution`), fewer where the data ends. Returns tensors: `logs`, what
+        the model's train_step returned for the last of them (its metrics over the whole
+        batch, running since `model.reset_metrics()`), `device_seconds` of that step
+        (zeros where devices are not timed), and `steps`, how many ran; None when the
+        data had ended before the first."""
+        try:
+            if steps == 1:
+                return self._train_step(iterator)
+            return self._train_steps(iterator, tf.constant(steps))
+        except tf.errors.OutOfRangeError:
+            return None
+
+    marked = False  # each element is (batch, whether its pass has ended) (`Stream.marked`)
+
+    def _one_step(self, iterator):
+        return self._step_on(next(iterator))
+
+    def _step_on(self, element):
+        """One step on an element of the stream: its outputs, with `steps` 1, or 0 for a
+        marker of a pass's end, which is not trained on."""
+        if not self.marked:
+            return {**self._step(element), "steps": tf.constant(1)}
+        batch, ended = element
+        if tf.executing_eagerly():  # run_eagerly: the marker read, nothing to train
+            if bool(ended):
+                return {"steps": tf.constant(0)}
+            return {**self._step(batch), "steps": tf.constant(1)}
+        traced = {}
+
+        def train():
+            traced.update(self._step(batch))
+            return {**traced, "steps": tf.constant(1)}
+
+        def skip():  # traced after `train` (tf.cond traces its true branch first)
+            return {**tf.nest.map_structure(tf.zeros_like, traced), "steps": tf.constant(0)}
+
+        return tf.cond(tf.logical_not(ended), train, skip)
 
     def _steps(self, iterator, steps):
-        outputs = self._step(iterator)
+        """Up to `steps` steps, as Keras runs `steps_per_execution`: each next batch read
+        only while another step is due, and none read past the data's end (or its pass's
+        end, in a marked stream)."""
+        outputs = self._step_on(next(iterator))
         if self.model.run_eagerly:
-            for _ in range(int(steps) - 1):
-                outputs = self._step(iterator)
-            return outputs
+            done = int(outputs["steps"])
+            while done and done < int(steps):
+                upcoming = iterator.get_next_as_optional()
+                if not upcoming.has_value():
+                    break
+                more = self._step_on(upcoming.get_value())
+                if not int(more["steps"]):
+                    break
+                outputs, done = more, done + 1
+            return {**outputs, "steps": tf.constant(done)}
 
-        def body(done, outputs):
-            return done + 1, self._step(iterator)
+        def more(done, ended, outputs, upcoming):
+            return tf.logical_and(
+                tf.logical_and(done < steps, tf.logical_not(ended)), upcoming.has_value()
+            )
 
-        _, outputs = tf.while_loop(lambda done, _: done < steps, body, (tf.constant(1), outputs))
-        return outputs
+        def read_on(done, ended, upcoming):
+            """The next element, read only if another step is due."""
+            return tf.cond(
+                tf.logical_and(done < steps, tf.logical_not(ended)),
+                iterator.get_next_as_optional,
+                lambda: upcoming,
+            )
+
+        def step(done, ended, outputs, upcoming):
+            new = self._step_on(upcoming.get_value())
+            ran = new.pop("steps")
+            outputs = tf.nest.map_structure(  # a marker leaves the last step's outputs
+                lambda a, b: tf.where(ran > 0, a, b), new, outputs
+            )
+            done, ended = done + ran, tf.equal(ran, 0)
+            return done, ended, outputs, read_on(done, ended, upcoming)
+
+        first = dict(outputs)
+        done = first.pop("steps")
+        ended = tf.equal(done, 0)
+        nothing = tf.experimental.Optional.empty(iterator.element_spec)
+        start = (done, ended, first, read_on(done, ended, nothing))
+        done, _, outputs, _ = tf.while_loop(more, step, start)
+        return {**outputs, "steps": done}
 
     def test_step(self, batch) -> dict:
         """The model's test_step on an evaluation batch, split over the devices as a

@@ -169,8 +169,8 @@ class MirroredTrainer(Trainer):
         local = self.strategy.experimental_local_results(batch)  # tf.distribute split it
         return batch, tf.add_n([num_examples(shard) for shard in local])
 
-    def _step(self, iterator):
-        shards, examples = self._shards(next(iterator))
+    def _step(self, batch):
+        shards, examples = self._shards(batch)
         with shards_lib.handing_over(self.model):
             logs, seconds, held = self.strategy.run(self._replica_step, args=(shards, examples))
         return {
@@ -180,9 +180,10 @@ class MirroredTrainer(Trainer):
 
     def _replica_step(self, shard, examples):
         logs, gradients, held, seconds = self.work.train(shard, examples, self._delay())
-        gradients = clip_before_all_reduce(self.optimizer, gradients)
-        # Inside a replica, the optimizer all-reduces (sums) the gradients, then updates.
-        self.optimizer.apply_gradients(zip(gradients, self.work.variables))
+        if gradients:  # (a model without trainable weights has nothing to update)
+            gradients = clip_before_all_reduce(self.optimizer, gradients)
+            # Inside a replica, the optimizer all-reduces (sums) the gradients, then updates.
+            self.optimizer.apply_gradients(zip(gradients, self.work.variables))
         return logs, seconds, held
 
     def _test(self, batch):

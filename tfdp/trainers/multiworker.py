@@ -134,15 +134,16 @@ class MultiWorkerTrainer(Trainer):
 
     def train_step(self, iterator, steps: int = 1):
         """`steps` updates on the next global batches; returns their logs (over the whole
-        cluster's batch) and the workers' seconds."""
+        cluster's batch) and the workers' seconds (None: the data had ended)."""
         outputs = super().train_step(iterator, steps)
-        self.exchange.saw_step(outputs.pop("signals"))
+        if outputs is not None:
+            self.exchange.saw_step(outputs.pop("signals"))
         return outputs
 
-    def _step(self, iterator):
+    def _step(self, batch):
         from tfdp.steps import num_examples
 
-        batch = next(iterator)  # a global batch, or its example indices (arrays)
+        # `batch`: a global batch, or its example indices (arrays)
         examples = num_examples(batch)  # the global batch, or an epoch's partial last one
         shards = self._own_shards(batch, examples)
         with shards_lib.handing_over(self.model):
@@ -179,9 +180,10 @@ class MultiWorkerTrainer(Trainer):
 
         tf = self.tf
         logs, gradients, held, seconds = self.work.train(batch, examples, self.delay)
-        gradients = clip_before_all_reduce(self.optimizer, gradients)
-        # Inside a replica, the optimizer all-reduces (sums) the gradients over all workers.
-        self.optimizer.apply_gradients(zip(gradients, self.work.variables))
+        if gradients:  # (a model without trainable weights has nothing to update)
+            gradients = clip_before_all_reduce(self.optimizer, gradients)
+            # Inside a replica, the optimizer all-reduces (sums) the gradients over all workers.
+            self.optimizer.apply_gradients(zip(gradients, self.work.variables))
         # this worker's seconds at its place (the mean over its local replicas)
         own = tf.one_hot(self.index, len(self.workers), dtype=tf.float64) * seconds
         own = own / self.local_replicas

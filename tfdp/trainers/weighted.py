@@ -25,7 +25,14 @@ import tensorflow as tf
 
 from tfdp import shards as shards_lib
 from tfdp.replicas import Placement
-from tfdp.steps import DeviceWork, merged_logs, num_examples, shard_sizes_for, split
+from tfdp.steps import (
+    DeviceWork,
+    merged_logs,
+    num_examples,
+    shard_sizes_for,
+    split,
+    sum_gradients,
+)
 from tfdp.trainers.base import Trainer
 
 
@@ -81,9 +88,10 @@ class WeightedTrainer(Trainer):
         self.probe = DeviceWork(model, chains, jit_compile, True, may_be_empty)  # timed
         # One device, one piece, nothing timed: the model's train_step, as Keras runs it.
         self.direct = len(self.devices) == 1 and chains == 1 and not timed and not slowdown
-        self._direct_step = model.train_step
-        if jit_compile and not model.run_eagerly:
+        self._direct_step, self._direct_test = model.train_step, model.test_step
+        if jit_compile and not model.run_eagerly:  # as Keras' fit compiles them
             self._direct_step = tf.function(model.train_step, jit_compile=True, autograph=False)
+            self._direct_test = tf.function(model.test_step, jit_compile=True, autograph=False)
         # Variables a step changes besides the trainable ones (batch-norm moving
         # statistics): each device starts from the same values, and the step ends
         # with the values weighted by the devices' shards.
@@ -97,8 +105,7 @@ class WeightedTrainer(Trainer):
     def describe(self) -> str:
         return "; gradients summed by device0" if self.balanced else ""
 
-    def _step(self, iterator):
-        batch = next(iterator)
+    def _step(self, batch):
         if self.direct:
             with tf.device(self.devices[0]):
                 logs = self._direct_step(batch)
@@ -107,8 +114,11 @@ class WeightedTrainer(Trainer):
         sizes = shard_sizes_for(examples, self.global_batch_size, self.shard_sizes)
         logs, gradients, held, seconds, statistics = self._devices(batch, examples, sizes)
         with tf.device(self.devices[0]):
-            summed = [tf.add_n(list(per_device)) for per_device in zip(*gradients)]
-            self.optimizer.apply_gradients(zip(summed, self.work.variables))
+            if tf.executing_eagerly():  # run_eagerly: the devices that held examples
+                gradients = [g for g, h in zip(gradients, held) if bool(h)] or gradients[:1]
+            summed = sum_gradients(gradients)
+            if summed:  # (a model without trainable weights has nothing to update)
+                self.optimizer.apply_gradients(zip(summed, self.work.variables))
             self._combine_statistics(statistics, sizes, examples)
         return {
             "logs": merged_logs(self.model, logs, held),
@@ -162,7 +172,7 @@ class WeightedTrainer(Trainer):
         examples = num_examples(batch)
         if len(self.devices) == 1:
             with tf.device(self.devices[0]):
-                return self.model.test_step(batch)
+                return self._direct_test(batch)
         sizes = shard_sizes_for(examples, self.global_batch_size, self.shard_sizes)
         logs, held = [], []
         for device, shard in zip(self.devices, self._split(batch, sizes)):
