@@ -65,6 +65,31 @@ def check_model(model, field: str = "model") -> None:
         )
 
 
+def raw_variables(model) -> list[str]:
+    """The model's tf.Variables that are not Keras variables (made outside `add_weight`),
+    as `layer.attribute` names: Keras does not know them, so they cannot be made again."""
+    found = []
+    for layer in model._flatten_layers(include_self=True):  # noqa: SLF001
+        for name, value in vars(layer).items():
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if any(isinstance(v, tf.Variable) for v in values):
+                found.append(f"{layer.name}.{name}")
+    return found
+
+
+def check_no_raw_variables(model) -> None:
+    """ConfigError naming the tf.Variables a strategy cannot mirror (`raw_variables`)."""
+    found = raw_variables(model)
+    if found:
+        raise ConfigError(
+            "model",
+            model.name,
+            f"holds a tf.Variable made outside Keras ({', '.join(found)}): it cannot be "
+            "made again on every device; make it with layer.add_weight, or train in mode "
+            "single or weighted (--reduce=device0), which keep it where it is",
+        )
+
+
 def build(model, batch, field: str = "x") -> None:
     """Builds what `fit` builds before its first step (the model, its compiled loss and
     metrics, the optimizer) from a batch of examples, as Keras does (symbolically);
@@ -142,6 +167,8 @@ class Placement:
 
     def enter(self) -> None:
         model = self.model
+        if self.strategy is not None:
+            check_no_raw_variables(model)
         variables = variables_of(model)
         self.saved = {
             "values": [(v, v._value) for v in variables],  # noqa: SLF001

@@ -181,14 +181,26 @@ def _weighed(gradient, weight):
 
 def train_piece(model, data, fraction):
     """`model.train_step(data)` for a piece of `fraction` of the global batch: (its logs,
-    the gradients it handed over as a `Handed`, whether Keras scaled its loss)."""
+    the gradients it handed over as a `Handed`, and a note of how its step was run, or
+    None where it has Keras' own form)."""
     with piece(fraction) as context, handing_over(model):
         logs = model.train_step(data)
     handed = Handed()
-    weigh = not context.scaled and overrides(model, "train_step")
+    own = overrides(model, "train_step")
+    weigh = own and context.handed and not context.scaled
     for gradients, variables in context.handed:
         handed.add(gradients, variables, context.fraction if weigh else None)
-    return logs, handed, context.scaled or not context.handed
+    note = None
+    name = f"{type(model).__name__}.train_step"
+    if weigh:
+        note = (
+            f"{name} computes its loss without Keras' loss functions (compute_loss): each "
+            "device's gradients are weighed by its share of the batch's examples, which is "
+            "exact for a loss that is a mean over the batch"
+        )
+    elif own and not context.handed and model.trainable_weights:
+        note = f"{name} hands no gradients to model.optimizer: it updates the weights itself"
+    return logs, handed, note
 
 
 def test_piece(model, data, fraction):

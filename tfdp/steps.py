@@ -103,7 +103,7 @@ class DeviceWork:
         self.may_be_empty = may_be_empty
         self.variables = None  # of the gradients, in order (known once traced)
         self.gradients_like = None  # a piece's gradients, once one has run (their kinds)
-        self.weighed = False  # a piece's own loss was weighed by its examples (shards.py)
+        self.notes = []  # how the model's own train_step was run, where not as Keras' (shards.py)
         run = self._train_piece
         test = shards_lib.test_piece
         if jit_compile:
@@ -177,9 +177,9 @@ class DeviceWork:
         return _tensors(self.model.get_metrics_result())
 
     def _train_piece(self, part, fraction):
-        logs, handed, scaled = shards_lib.train_piece(self.model, part, fraction)
-        if not scaled:
-            self.weighed = True
+        logs, handed, note = shards_lib.train_piece(self.model, part, fraction)
+        if note and note not in self.notes:
+            self.notes.append(note)
         pairs = handed.pairs()
         variables = [v for _, v in pairs]
         if self.variables is None:

@@ -17,14 +17,14 @@ def evaluate(trainer, data, batch_size: int, callbacks=None, steps: int | None =
 
     callbacks: a Keras CallbackList whose test-batch hooks are called for each batch.
     """
-    from tfdp.hooks.report import floats
+    from tfdp.hooks.report import keras_logs
 
     trainer.model.reset_metrics()
     logs = {}
     for index, batch in enumerate(data_lib.eval_batches(data, batch_size, steps)):
         if callbacks is not None:
             callbacks.on_test_batch_begin(index)
-        logs = floats(trainer.test_step(batch))
+        logs = keras_logs(trainer.test_step(batch))
         if callbacks is not None:
             callbacks.on_test_batch_end(index, logs)
     return logs
@@ -64,8 +64,10 @@ class Evaluation(Hook):
         plan = run.plan
         if plan.test_data is None:
             return
+        from tfdp.hooks.report import floats
+
         with metrics_kept(run.trainer.model):
-            values = evaluate(run.trainer, plan.test_data, plan.config.batch_size)
+            values = floats(evaluate(run.trainer, plan.test_data, plan.config.batch_size))
         named = {f"test_{k}": v for k, v in values.items()}
         run.result["evals"].append({"iteration": step, **named})
         examples = data_lib.size(plan.test_data)

@@ -23,7 +23,7 @@ import keras
 import numpy as np
 
 from tfdp.errors import ConfigError
-from tfdp.hooks.report import floats
+from tfdp.hooks.report import keras_logs
 from tfdp.loop import Hook
 
 # The attributes that carry a built-in callback's decisions from one epoch to the next.
@@ -131,13 +131,13 @@ class KerasCallbacks(Hook):
         self.list.on_train_batch_begin(run.call[0])
 
     def on_step_end(self, run, step):
-        self.logs = floats(run.outputs["logs"])
+        self.logs = keras_logs(run.outputs["logs"])
         self.list.on_train_batch_end(run.call[1], self.logs)
         if self.model.stop_training:
             run.stopping = True
 
     def on_epoch_end(self, run, epoch):
-        logs = floats(self.model._get_metrics_result_or_logs(self.logs))  # noqa: SLF001
+        logs = keras_logs(self.model._get_metrics_result_or_logs(self.logs))  # noqa: SLF001
         if self.validation and self.due(epoch):
             logs.update({f"val_{k}": v for k, v in self.validate(run).items()})
         self.list.on_epoch_end(epoch, logs)

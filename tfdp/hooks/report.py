@@ -71,17 +71,18 @@ def banner(plan, trainer, start_step: int, shards: list[int], input_note=None) -
     return text
 
 
-def floats(logs) -> dict[str, float]:
-    """A step's logs (tensors) as Python numbers, as callbacks and the log lines get them;
-    entries that are not single numbers are left out."""
-    import numpy as np
+def keras_logs(logs) -> dict:
+    """A step's logs as Keras' fit hands them to callbacks: nested dicts flattened, each
+    value a Python float where it converts to one (Keras' `pythonify_logs`)."""
+    from keras.src.utils.python_utils import pythonify_logs
 
-    values = {}
-    for name, value in (logs or {}).items():
-        array = np.asarray(value)
-        if array.size == 1 and np.issubdtype(array.dtype, np.number):
-            values[name] = float(array.reshape(()))
-    return values
+    return pythonify_logs(logs)
+
+
+def floats(logs) -> dict[str, float]:
+    """A step's logs as Python numbers, for tfdp's lines and result: Keras' logs
+    (`keras_logs`) without the entries that are not single numbers."""
+    return {name: v for name, v in keras_logs(logs).items() if isinstance(v, float)}
 
 
 def described(values: dict[str, float], prefix: str = "") -> str:
@@ -119,6 +120,8 @@ class TutorialLog(Hook):
             _wait_for(run.outputs)  # the first call includes tracing
             run.clock.first_step_seconds = run.clock.seconds()
             self.first_end = run.step
+            for note in run.trainer.notes():  # how the model's own step is run
+                run.say(f"tfdp: {note}")
         if not run.is_log_point(step):
             return
         run.metrics = floats(run.outputs["logs"])

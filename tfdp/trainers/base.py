@@ -84,7 +84,7 @@ class Trainer:
             if steps == 1:
                 return self._train_step(iterator)
             return self._train_steps(iterator, tf.constant(steps))
-        except tf.errors.OutOfRangeError:
+        except (tf.errors.OutOfRangeError, StopIteration):  # (StopIteration: run eagerly)
             return None
 
     marked = False  # each element is (batch, whether its pass has ended) (`Stream.marked`)
@@ -165,6 +165,11 @@ class Trainer:
         training batch is: its logs, the metrics over every batch since
         `model.reset_metrics()`."""
         return self._test_step(batch)
+
+    def notes(self) -> list[str]:
+        """How the model's own train_step is run, where not as Keras runs it (once traced)."""
+        work = getattr(self, "work", None)
+        return list(work.notes) if work is not None else []
 
     def get_weights(self) -> list:
         return self.model.get_weights()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfdp import shards as shards_lib
+from tfdp.errors import ConfigError
 from tfdp.replicas import Placement
 from tfdp.steps import (
     DeviceWork,
@@ -113,6 +114,14 @@ class WeightedTrainer(Trainer):
         examples = num_examples(batch)  # the global batch, or an epoch's partial last one
         sizes = shard_sizes_for(examples, self.global_batch_size, self.shard_sizes)
         logs, gradients, held, seconds, statistics = self._devices(batch, examples, sizes)
+        if len(self.devices) > 1 and any("updates the weights itself" in n for n in self.notes()):
+            raise ConfigError(
+                "model",
+                self.model.name,
+                f"{type(self.model).__name__}.train_step applies its updates itself, not through "
+                "model.optimizer: mode weighted sums the devices' gradients on device 0 and "
+                "cannot run it; use mode mirrored or single (its own updates run there as in Keras)",
+            )
         with tf.device(self.devices[0]):
             if tf.executing_eagerly():  # run_eagerly: the devices that held examples
                 gradients = [g for g, h in zip(gradients, held) if bool(h)] or gradients[:1]

@@ -1,0 +1,236 @@
+"""A model's own `train_step`, `test_step`, `compute_loss` and `compute_metrics` are the ones
+`tfdp.fit` runs, as `model.fit` runs them: the same History (its keys too) and weights
+on one device; with uneven shares, exact where the step has Keras' own form, weighed by
+each device's examples where it computes its own mean loss (and said so in one line);
+a step that updates the weights itself is refused by weighted's device-0 sum."""
+
+import keras
+import numpy as np
+import pytest
+
+import tfdp
+from tfdp.errors import ConfigError
+
+EXAMPLES, FEATURES, BATCH = 96, 5, 32
+MODES = {
+    "single": {"mode": "single"},
+    "mirrored 2": {"mode": "mirrored", "devices": "cpu:0,cpu:1"},
+    "weighted [1, 3]": {"mode": "weighted", "devices": "cpu:0,cpu:1", "powers": (1, 3)},
+    "weighted over all-reduce": {
+        "mode": "weighted", "devices": "cpu:0,cpu:1", "powers": (1, 3), "reduce": "allreduce"
+    },
+}
+
+
+def data():
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(EXAMPLES, FEATURES)).astype(np.float32)
+    y = np.stack([x[:, 0] - x[:, 1], 0.5 * x[:, 2]], axis=1).astype(np.float32)
+    return x, y
+
+
+class KerasFormStep(keras.Model):
+    """keras.io's "Customizing what happens in fit()": the loss from compute_loss, a tracker
+    of its own for the gradient norm, and its own logs."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(2)
+        self.norm = keras.metrics.Mean(name="gradient_norm")
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        for metric in self.metrics:  # as keras.io's guide updates them
+            if metric.name == "loss":
+                metric.update_state(loss)
+            elif metric.name == "gradient_norm":
+                metric.update_state(tf.linalg.global_norm(gradients))
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class OwnMeanLoss(keras.Model):
+    """A train_step that takes the mean of its own squared error (no compute_loss) and
+    hands its gradients to `optimizer.apply`."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = keras.layers.Dense(2)
+        self.tracker = keras.metrics.Mean(name="own_loss")
+
+    def call(self, x):
+        return self.out(x)
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(y - self(x, training=True)))
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        self.tracker.update_state(loss, sample_weight=keras.ops.shape(x)[0])
+        return {"own_loss": self.tracker.result()}
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+
+class OwnTestAndMetrics(keras.Model):
+    """An overridden test_step (an extra log of its own) and compute_metrics (a metric
+    of its own beside the compiled ones)."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = keras.layers.Dense(2)
+        self.largest = keras.metrics.Mean(name="mean_abs_prediction")
+
+    def call(self, x):
+        return self.out(x)
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        logs = super().compute_metrics(x, y, y_pred, sample_weight)
+        self.largest.update_state(keras.ops.mean(keras.ops.abs(y_pred), axis=1))
+        return {**logs, "mean_abs_prediction": self.largest.result()}
+
+    def test_step(self, data):
+        logs = super().test_step(data)
+        return {**logs, "tested": 1.0}
+
+
+def compiled(model):
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    return model
+
+
+def seeded(make):
+    keras.utils.set_random_seed(21)  # the layers' initializers draw their seeds when made
+    return make()
+
+
+def under_mirrored_strategy(make, **fit):
+    """model.fit's History under Keras' own MirroredStrategy on tfdp's two devices."""
+    import tensorflow as tf
+
+    x, y = data()
+    with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+        model = compiled(seeded(make))
+    return model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, **fit).history
+
+
+def both(make, modes=MODES, **fit):
+    """model.fit's (History, weights) and tfdp.fit's in each mode."""
+    x, y = data()
+    arguments = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0, **fit)
+    keras_model = compiled(seeded(make))
+    keras_history = keras_model.fit(x, y, **arguments)
+    runs = {}
+    for mode in modes:
+        lines = []
+        model = compiled(seeded(make))
+        history = tfdp.fit(model, x, y, **arguments, **MODES[mode], log=lines.append)
+        runs[mode] = history.history, model.get_weights(), lines
+    return (keras_history.history, keras_model.get_weights()), runs
+
+
+def assert_same(got, want):
+    (history, weights, _), (want_history, want_weights) = got, want
+    assert sorted(history) == sorted(want_history)
+    for name, values in want_history.items():
+        np.testing.assert_allclose(history[name], values, rtol=1e-5, err_msg=name)
+    for have, expected in zip(weights, want_weights, strict=True):
+        np.testing.assert_allclose(have, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_train_step_of_keras_form_runs_as_model_fit_runs_it_in_every_mode():
+    """single is model.fit; with two devices, the loss the step hands its own tracker is
+    its device's share (compute_loss scales it, as under Keras' MirroredStrategy): mirrored's
+    History is Keras' under MirroredStrategy, weighted's too but for the nonlinear gradient
+    norm; every mode makes single's update."""
+    want, runs = both(KerasFormStep)
+    assert sorted(want[0]) == ["gradient_norm", "loss", "mae"]  # the step's own logs
+    assert_same(runs["single"], want)
+    strategy = under_mirrored_strategy(KerasFormStep)
+    assert_same(runs["mirrored 2"], (strategy, want[1]))
+    linear = {name: values for name, values in strategy.items() if name != "gradient_norm"}
+    for mode in ("weighted [1, 3]", "weighted over all-reduce"):
+        history, weights, lines = runs[mode]
+        assert "gradient_norm" in history, mode
+        history = {name: values for name, values in history.items() if name != "gradient_norm"}
+        assert_same((history, weights, lines), (linear, want[1]))
+    for mode, (_, _, lines) in runs.items():
+        assert not any("train_step" in line for line in lines), mode  # nothing to say
+
+
+def test_a_train_step_with_its_own_mean_loss_is_weighed_by_examples_and_said():
+    """Uneven shares: each device's gradients count by its examples, the update of one
+    device on the whole batch; the run says how it ran the step, in one line."""
+    want, runs = both(OwnMeanLoss)
+    assert sorted(want[0]) == ["own_loss"]
+    for mode, got in runs.items():
+        assert_same(got, want)
+        said = [line for line in got[2] if "OwnMeanLoss.train_step" in line]
+        assert len(said) == (0 if mode == "single" else 1), (mode, got[2])
+        if said:
+            assert "weighed by its share of the batch's examples" in said[0]
+
+
+def test_a_test_step_and_compute_metrics_of_its_own_run_in_validation():
+    x, y = data()
+    want, runs = both(OwnTestAndMetrics, validation_data=(x[:40], y[:40]))
+    assert {"val_tested", "val_mean_abs_prediction", "mean_abs_prediction"} <= set(want[0])
+    for got in runs.values():
+        assert_same(got, want)
+
+
+class OwnUpdates(keras.Model):
+    """A step that applies its own second optimizer (as a GAN's does), beside model.optimizer."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = keras.layers.Dense(2)
+        self.other = keras.optimizers.SGD(0.05)
+
+    def call(self, x):
+        return self.out(x)
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        self.other.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return {**self.compute_metrics(x, y, y_pred), "loss": loss}
+
+
+def test_a_step_that_updates_the_weights_itself_is_refused_by_the_device0_sum():
+    """single runs it as model.fit does; weighted's device-0 sum cannot (one line naming
+    the step and the modes that can), before any update."""
+    want, runs = both(OwnUpdates, modes=["single"])
+    assert_same(runs["single"], want)
+    x, y = data()
+    model = compiled(seeded(OwnUpdates))
+    model(x[:1])
+    start = model.get_weights()
+    with pytest.raises(ConfigError) as refused:
+        tfdp.fit(model, x, y, batch_size=BATCH, verbose=0, **MODES["weighted [1, 3]"])
+    assert refused.value.field == "model"
+    assert "OwnUpdates.train_step applies its updates itself" in refused.value.reason
+    assert "use mode mirrored or single" in refused.value.reason
+    for have, before in zip(model.get_weights(), start):
+        np.testing.assert_array_equal(have, before)
