@@ -8,8 +8,8 @@ from helpers import CPUS
 
 from tfdp import Config
 from tfdp.data import train_dataset
-from tfdp.trainers import build_trainer
 from tfdp.hooks.report import floats
+from tfdp.trainers import build_trainer
 from tfdp.training import partition
 
 BATCH = 100

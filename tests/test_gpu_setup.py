@@ -26,9 +26,9 @@ from tfdp.devices import (
     master_on_cpu,
     parse_devices,
 )
+from tfdp.epochs import Schedule
 from tfdp.hooks.report import banner
 from tfdp.launch import UsageError, check_gpus, parse_args, visible_gpus, worker_environment
-from tfdp.epochs import Schedule
 from tfdp.plan import Plan, default_devices
 
 CPU0, CPU1, GPU0, GPU1 = "/device:CPU:0", "/device:CPU:1", "/device:GPU:0", "/device:GPU:1"

@@ -97,8 +97,11 @@ def functional():
 KINDS = {
     "functional": functional,
     "sequential": lambda: keras.Sequential(
-        [keras.Input((FEATURES,)), keras.layers.Dense(8, activation="relu"),
-         keras.layers.Dense(CLASSES)]
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(CLASSES),
+        ]
     ),
     "sequential built on its first batch": lambda: keras.Sequential(
         [keras.layers.Dense(8, activation="relu"), keras.layers.Dense(CLASSES)]
@@ -132,8 +135,9 @@ def fitted_by_keras():
 def test_every_kind_of_model_trains_as_model_fit_in_every_mode(kind, mode, fitted_by_keras):
     x, y = data()
     model = make(kind)
-    history = tfdp.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                       **MODES[mode])
+    history = tfdp.fit(
+        model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, **MODES[mode]
+    )
     want_history, want_weights = fitted_by_keras[kind]
     assert sorted(history.history) == sorted(want_history)
     for name, values in want_history.items():
@@ -187,8 +191,9 @@ def test_a_model_with_a_variable_keras_does_not_know_is_refused_in_one_line():
 
     def model():
         keras.utils.set_random_seed(5)
-        return compiled(keras.Sequential([keras.Input((FEATURES,)), RawVariable(),
-                                          keras.layers.Dense(CLASSES)]))
+        return compiled(
+            keras.Sequential([keras.Input((FEATURES,)), RawVariable(), keras.layers.Dense(CLASSES)])
+        )
 
     refused_model = model()
     start = refused_model.get_weights()

@@ -17,7 +17,10 @@ MODES = {
     "mirrored 2": {"mode": "mirrored", "devices": "cpu:0,cpu:1"},
     "weighted [1, 3]": {"mode": "weighted", "devices": "cpu:0,cpu:1", "powers": (1, 3)},
     "weighted over all-reduce": {
-        "mode": "weighted", "devices": "cpu:0,cpu:1", "powers": (1, 3), "reduce": "allreduce"
+        "mode": "weighted",
+        "devices": "cpu:0,cpu:1",
+        "powers": (1, 3),
+        "reduce": "allreduce",
     },
 }
 

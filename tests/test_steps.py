@@ -1,6 +1,5 @@
 """A device's shard cut into side-by-side chains gives the shard's gradient and logs."""
 
-import numpy as np
 import pytest
 
 

@@ -102,7 +102,7 @@ def test_evaluation_is_the_same_on_every_device_set(mnist_dir):
     from helpers import CPUS
 
     from tfdp.data import load_mnist_idx
-    from tfdp.models import build_model, built_in
+    from tfdp.models import build_model
     from tfdp.trainers import build_trainer
     from tfdp.training import evaluate, partition
 

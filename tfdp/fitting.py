@@ -81,9 +81,6 @@ def fit(
     Raises:
       ConfigError: bad settings, data, model or callbacks, before any training.
     """
-    import keras
-
-    from tfdp import training
     from tfdp.hooks.keras import check_callbacks
 
     callbacks = check_callbacks(

@@ -179,11 +179,37 @@ def _weighed(gradient, weight):
     return gradient * tf.cast(weight, gradient.dtype)
 
 
+@contextlib.contextmanager
+def weighing_output_losses(model, fraction):
+    """Inside: the trackers of each output's loss (a multi-output model's `kind_loss`) count a
+    piece by `fraction` where Keras counts a step once. Keras weighs those updates by the
+    batch's static size, unknown in a traced step, so each step counts once on one device;
+    the pieces of a step, weighed by their share, then add up to that step, however uneven."""
+    compile_loss = getattr(model, "_compile_loss", None)
+    trackers = list(getattr(compile_loss, "metrics", None) or [])
+
+    def weighed(update_state):
+        def update(values, sample_weight=None):
+            if sample_weight is None:
+                sample_weight = fraction
+            return update_state(values, sample_weight=sample_weight)
+
+        return update
+
+    for tracker in trackers:
+        tracker.update_state = weighed(tracker.update_state)
+    try:
+        yield
+    finally:
+        for tracker in trackers:
+            del tracker.update_state
+
+
 def train_piece(model, data, fraction):
     """`model.train_step(data)` for a piece of `fraction` of the global batch: (its logs,
     the gradients it handed over as a `Handed`, and a note of how its step was run, or
     None where it has Keras' own form)."""
-    with piece(fraction) as context, handing_over(model):
+    with piece(fraction) as context, handing_over(model), weighing_output_losses(model, fraction):
         logs = model.train_step(data)
     handed = Handed()
     own = overrides(model, "train_step")
@@ -205,5 +231,5 @@ def train_piece(model, data, fraction):
 
 def test_piece(model, data, fraction):
     """`model.test_step(data)` for a piece of `fraction` of the global batch: its logs."""
-    with piece(fraction):
+    with piece(fraction), weighing_output_losses(model, fraction):
         return model.test_step(data)

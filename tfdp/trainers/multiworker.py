@@ -47,8 +47,8 @@ from tfdp.cluster import (
 from tfdp.devices import AUTO, split_batch
 from tfdp.errors import ConfigError
 from tfdp.exchange import Cluster
-from tfdp.signals import SIGNALS
 from tfdp.replicas import Placement
+from tfdp.signals import SIGNALS
 from tfdp.split import WorkerSplit
 from tfdp.steps import DeviceWork, cut
 from tfdp.trainers.base import Trainer

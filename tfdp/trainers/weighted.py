@@ -33,6 +33,7 @@ from tfdp.steps import (
     shard_sizes_for,
     split,
     sum_gradients,
+    unknown_batch_size,
 )
 from tfdp.trainers.base import Trainer
 
@@ -181,7 +182,7 @@ class WeightedTrainer(Trainer):
         examples = num_examples(batch)
         if len(self.devices) == 1:
             with tf.device(self.devices[0]):
-                return self._direct_test(batch)
+                return self._direct_test(unknown_batch_size(batch))
         sizes = shard_sizes_for(examples, self.global_batch_size, self.shard_sizes)
         logs, held = [], []
         for device, shard in zip(self.devices, self._split(batch, sizes)):

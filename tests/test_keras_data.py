@@ -1,0 +1,292 @@
+"""`tfdp.fit` takes data as `model.fit` does, in every mode, and ends where `model.fit` on
+one device ends: the same History, the same weights, the batch hooks called at the same
+batches with the weights current at each.
+
+The cases a Keras user meets: a batch larger than the data, a short last batch, a batch
+with fewer examples than devices (a device gets none), inputs as a tuple, list or dict,
+validation data in each form `fit` takes, class weights on a PyDataset or a generator, a
+stream of unknown length, epochs that end at a pass's end, a non-finite loss (trained on,
+as Keras does; TerminateOnNaN stops it), and what the model was compiled with
+(`steps_per_execution`, `run_eagerly`, `jit_compile`, `loss_weights`)."""
+
+import functools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp
+
+FEATURES, CLASSES = 4, 3
+MODES = {
+    "single": {"mode": "single"},
+    "mirrored 2": {"mode": "mirrored", "devices": "cpu:0,cpu:1"},
+    "weighted [1, 3]": {"mode": "weighted", "devices": "cpu:0,cpu:1", "powers": (1, 3)},
+}
+
+
+def examples(n, seed=3):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0).astype(np.int32)
+    return x, y
+
+
+def classifier(**compiled):
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((FEATURES,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(hidden))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.2, momentum=0.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        **compiled,
+    )
+    return model
+
+
+def two_inputs(named=False):
+    keras.utils.set_random_seed(2)
+    a = keras.Input((2,), name="a")
+    b = keras.Input((2,), name="b")
+    joined = keras.layers.Concatenate()([keras.layers.Dense(5)(a), keras.layers.Dense(5)(b)])
+    model = keras.Model({"a": a, "b": b} if named else [a, b], keras.layers.Dense(CLASSES)(joined))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def two_outputs():
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((FEATURES,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    model = keras.Model(
+        inputs,
+        {
+            "kind": keras.layers.Dense(CLASSES, name="kind")(hidden),
+            "size": keras.layers.Dense(1, name="size")(hidden),
+        },
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss={"kind": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "size": "mse"},
+        loss_weights={"kind": 1.0, "size": 0.25},
+        metrics={"kind": ["accuracy"], "size": ["mae"]},
+    )
+    return model
+
+
+class Batches(keras.utils.PyDataset):
+    """A PyDataset of (x, y) batches."""
+
+    def __init__(self, x, y, size):
+        super().__init__()
+        self.x, self.y, self.size = x, y, size
+
+    def __len__(self):
+        return -(-len(self.x) // self.size)
+
+    def __getitem__(self, index):
+        rows = slice(index * self.size, (index + 1) * self.size)
+        return self.x[rows], self.y[rows]
+
+
+def forever(x, y, size, weights=None):
+    """An endless generator of (x, y) batches, or (x, y, sample weights) ones where
+    `weights` maps a class to its weight."""
+    while True:
+        for start in range(0, len(x), size):
+            batch = x[start : start + size], y[start : start + size]
+            if weights:
+                batch = (*batch, np.array([weights[c] for c in batch[1]], np.float32))
+            yield batch
+
+
+def unknown_length(x, y, size):
+    """A finite, batched tf.data pipeline whose length TensorFlow does not know."""
+    return tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda *_: True).batch(size)
+
+
+def with_a_nan(x, y):
+    x = x.copy()
+    x[37, 1] = np.nan  # in the third batch of 16
+    return x, y
+
+
+VALIDATION = examples(40, seed=9)
+CLASS_WEIGHT = {0: 2.0, 1: 1.0, 2: 0.5}
+TRAIN = examples(100)
+
+
+def case_data(name):
+    """(model factory, tfdp.fit's arguments, model.fit's if they differ) for each case;
+    data made fresh per call."""
+    x, y = TRAIN
+    vx, vy = VALIDATION
+    plain = dict(x=x, y=y, batch_size=16, epochs=2, shuffle=False)
+    cases = {
+        "a batch larger than the data": (
+            classifier,
+            dict(x=x[:20], y=y[:20], batch_size=64, epochs=3, shuffle=False),
+        ),
+        "a short last batch": (classifier, plain),  # 100 = 6 x 16 + 4
+        "fewer examples than devices": (
+            classifier,
+            dict(x=x[:9], y=y[:9], batch_size=4, epochs=2, shuffle=False),
+        ),
+        "x a tuple": (
+            two_inputs,
+            dict(x=(x[:, :2], x[:, 2:]), y=y, batch_size=16, epochs=2, shuffle=False),
+        ),
+        "x a list": (
+            two_inputs,
+            dict(x=[x[:, :2], x[:, 2:]], y=y, batch_size=16, epochs=2, shuffle=False),
+        ),
+        "x a dict": (
+            functools.partial(two_inputs, named=True),
+            dict(x={"a": x[:, :2], "b": x[:, 2:]}, y=y, batch_size=16, epochs=2, shuffle=False),
+        ),
+        "validation a tuple of 3": (
+            classifier,
+            {**plain, "validation_data": (vx, vy, np.linspace(0.5, 2, 40).astype(np.float32))},
+        ),
+        "validation a batched Dataset": (
+            classifier,
+            {**plain, "validation_data": tf.data.Dataset.from_tensor_slices((vx, vy)).batch(7)},
+        ),
+        "validation a PyDataset": (classifier, {**plain, "validation_data": Batches(vx, vy, 6)}),
+        # Keras reads a generator ahead and drops what it read ahead at each evaluation's
+        # end; tfdp reads on from where it stopped: a generator of one batch, the same for both
+        "validation a generator": (
+            classifier,
+            {**plain, "validation_data": forever(vx, vy, 40), "validation_steps": 2},
+        ),
+        "class_weight on a PyDataset": (
+            classifier,
+            dict(
+                x=Batches(x, y, 16), epochs=2, shuffle=False, class_weight={0: 1.0, 1: 3.0, 2: 0.5}
+            ),
+        ),
+        # Keras refuses class_weight on a generator: its sample weights, made by the test
+        "class_weight on a generator": (
+            classifier,
+            dict(x=forever(x, y, 20), steps_per_epoch=5, epochs=2, class_weight=CLASS_WEIGHT),
+            dict(x=forever(x, y, 20, CLASS_WEIGHT), steps_per_epoch=5, epochs=2),
+        ),
+        "a stream of unknown length": (classifier, dict(x=unknown_length(x, y, 16), epochs=2)),
+        "epochs that end at the pass's end": (
+            classifier,
+            dict(x=x, y=y, batch_size=20, steps_per_epoch=4, epochs=3, shuffle=False),
+        ),
+        "a non-finite loss is trained on": (
+            classifier,
+            dict(zip(("x", "y"), with_a_nan(x, y)), batch_size=16, epochs=1, shuffle=False),
+        ),
+        "TerminateOnNaN stops it": (
+            classifier,
+            dict(
+                zip(("x", "y"), with_a_nan(x, y)),
+                batch_size=16,
+                epochs=2,
+                shuffle=False,
+                callbacks=[keras.callbacks.TerminateOnNaN()],
+            ),
+        ),
+        "steps_per_execution 3": (functools.partial(classifier, steps_per_execution=3), plain),
+        "run_eagerly": (functools.partial(classifier, run_eagerly=True), plain),
+        "jit_compile": (functools.partial(classifier, jit_compile=True), plain),
+        "loss_weights on dict outputs": (
+            two_outputs,
+            dict(
+                x=x,
+                y={"kind": y, "size": x[:, :1] * 2},
+                batch_size=16,
+                epochs=2,
+                shuffle=False,
+                validation_data=(vx, {"kind": vy, "size": vx[:, :1] * 2}),
+                validation_batch_size=7,
+            ),
+        ),
+    }
+    return cases[name]
+
+
+CASES = [
+    "a batch larger than the data",
+    "a short last batch",
+    "fewer examples than devices",
+    "x a tuple",
+    "x a list",
+    "x a dict",
+    "validation a tuple of 3",
+    "validation a batched Dataset",
+    "validation a PyDataset",
+    "validation a generator",
+    "class_weight on a PyDataset",
+    "class_weight on a generator",
+    "a stream of unknown length",
+    "epochs that end at the pass's end",
+    "a non-finite loss is trained on",
+    "TerminateOnNaN stops it",
+    "steps_per_execution 3",
+    "run_eagerly",
+    "jit_compile",
+    "loss_weights on dict outputs",
+]
+
+
+class Watch(keras.callbacks.Callback):
+    """Each batch hook Keras calls, with its batch index and the model's weights then."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.weights = [], []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.calls.append(("epoch", epoch))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.calls.append(("batch", batch))
+        self.weights.append(self.model.get_weights())
+
+
+def fit(train, make, arguments):
+    model, watch = make(), Watch()
+    arguments = dict(arguments)
+    arguments["callbacks"] = [*arguments.get("callbacks", []), watch]
+    history = train(model, **arguments, verbose=0)
+    return model, history.history, watch
+
+
+@functools.cache
+def keras_run(name):
+    make, arguments, *keras_arguments = case_data(name)
+    return fit(lambda model, **a: model.fit(**a), make, (keras_arguments or [arguments])[0])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", CASES)
+def test_data_is_taken_as_model_fit_takes_it(name, mode):
+    want_model, want_history, want_watch = keras_run(name)
+    make, arguments, *_ = case_data(name)
+    model, history, watch = fit(
+        lambda model, **a: tfdp.fit(model, **a, **MODES[mode]), make, arguments
+    )
+    assert watch.model is model  # the callbacks hold the object passed
+    assert watch.calls == want_watch.calls
+    assert sorted(history) == sorted(want_history)
+    for key, values in want_history.items():
+        np.testing.assert_allclose(history[key], values, rtol=1e-5, atol=1e-6, err_msg=key)
+    for have, want in zip(watch.weights, want_watch.weights, strict=True):
+        for a, b in zip(have, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(model.get_weights(), want_model.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # the comparison is not vacuous: the weights moved (or went non-finite, as Keras')
+    start = make().get_weights()
+    assert any(not np.allclose(a, b) for a, b in zip(model.get_weights(), start))
