@@ -47,6 +47,19 @@ def classifier(**compiled):
     return model
 
 
+def one_hot_with_f1():
+    """A classifier on one-hot targets whose F1Score logs one value per class."""
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((FEATURES,))
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES, activation="softmax")(inputs))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.2),
+        loss="categorical_crossentropy",
+        metrics=[keras.metrics.F1Score()],
+    )
+    return model
+
+
 def two_inputs(named=False):
     keras.utils.set_random_seed(2)
     a = keras.Input((2,), name="a")
@@ -200,6 +213,11 @@ def case_data(name):
         "steps_per_execution 3": (functools.partial(classifier, steps_per_execution=3), plain),
         "run_eagerly": (functools.partial(classifier, run_eagerly=True), plain),
         "jit_compile": (functools.partial(classifier, jit_compile=True), plain),
+        "a metric of one value per class": (
+            one_hot_with_f1,
+            dict(x=x, y=np.eye(CLASSES, dtype=np.float32)[y], batch_size=16, epochs=2,
+                 shuffle=False, validation_data=(vx, np.eye(CLASSES, dtype=np.float32)[vy])),
+        ),
         "loss_weights on dict outputs": (
             two_outputs,
             dict(
@@ -236,6 +254,7 @@ CASES = [
     "steps_per_execution 3",
     "run_eagerly",
     "jit_compile",
+    "a metric of one value per class",
     "loss_weights on dict outputs",
 ]
 

@@ -2,7 +2,7 @@
 
 Every mode runs the model's own `train_step` on each device's shard of the global
 batch (on each of its pieces, when a device cuts its shard into side-by-side
-chains). Two things make the sum of the pieces the update of one device on the
+chains). Three things make the sum of the pieces the update of one device on the
 whole batch, however unevenly the batch was cut:
 
 1. **The loss of a piece is weighed by its examples.** Keras scales a replica's
@@ -17,6 +17,10 @@ whole batch, however unevenly the batch was cut:
    to `apply_gradients` / `apply` instead of applying them. The mode then sums
    the pieces' gradients (on device 0, or in the optimizer's all-reduce) and
    applies them once with the model's real optimizer.
+
+3. **Each output's loss tracker counts a piece by its share** (`kind_loss` of a model
+   with several outputs): Keras counts a step once there, so the pieces of a step
+   add up to it.
 
 A step that computes its loss without Keras' loss machinery (an overridden
 `train_step` taking `ops.mean` of its own loss) is never scaled; its gradients

@@ -148,7 +148,10 @@ class KerasCallbacks(Hook):
     def on_train_end(self, run):
         finalize(self.model)
         self.list.on_train_end(logs=self.epoch_logs or None)
-        run.result["history"] = {k: list(map(float, v)) for k, v in self.history.history.items()}
+        # a float per epoch, or a list of them for a metric of several values (F1Score)
+        run.result["history"] = {
+            k: [np.asarray(value).tolist() for value in v] for k, v in self.history.history.items()
+        }
         run.result["epochs"] = list(self.history.epoch)
 
     def due(self, epoch) -> bool:
