@@ -32,7 +32,8 @@ from helpers import (
     worker_lines,
 )
 
-from tfdp.checkpoints import Checkpointer, StorageError, export_model, write_atomically
+from tfdp.checkpoints import Checkpointer
+from tfdp.storage import StorageError, export_model, write_atomically
 from tfdp.config import Config
 from tfdp.errors import ConfigError
 
@@ -174,7 +175,7 @@ def test_a_fifo_is_written_through_not_replaced(tmp_path, through_link):
 
 
 WRITE_TO_STDOUT = (
-    "import sys; from tfdp.checkpoints import write_atomically; "
+    "import sys; from tfdp.storage import write_atomically; "
     "print('before', flush=True); write_atomically('/dev/stdout', 'TEXT\\n'); print('after')"
 )
 

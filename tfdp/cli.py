@@ -29,7 +29,7 @@ onednn.enable_by_default()
 
 from absl import app, flags, logging  # noqa: E402
 
-from tfdp.checkpoints import StorageError, write_atomically  # noqa: E402
+from tfdp.storage import StorageError, write_atomically  # noqa: E402
 from tfdp.config import AUTO, Config  # noqa: E402
 from tfdp.devices import (  # noqa: E402
     check_intra_op_threads,

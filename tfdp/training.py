@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from tfdp import data as data_lib
 from tfdp import onednn
-from tfdp.checkpoints import export_model, write_atomically
+from tfdp.storage import export_model, write_atomically
 from tfdp.config import AUTO, Config
 from tfdp.devices import short_name
 from tfdp.errors import DataError
