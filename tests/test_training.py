@@ -47,6 +47,19 @@ def test_result_is_what_result_json_writes():
     assert result["devices"] == ["CPU:0"] and result["shards"] == [20]
 
 
+def test_the_final_metrics_are_the_last_batchs():
+    """As the tutorial's last line: the last step's own batch, not a mean since the last
+    logged step (independent value: the same run logging every step)."""
+    settings = dict(model="toy", batch_size=20, iterations=12)
+    sparse = tfdp.train(Config(**settings, log_every=10), log=lambda line: None)
+    every = tfdp.train(Config(**settings, log_every=1), log=lambda line: None)
+    assert [e["iteration"] for e in sparse["log"]] == [0, 10]
+    assert sparse["final_metrics"] == pytest.approx(
+        {k: v for k, v in every["log"][-1].items() if k != "iteration"}, rel=1e-6
+    )
+    assert every["log"][-1]["iteration"] == 11
+
+
 # LeNet on real MNIST, as in the tutorial: batch 1024, 50 iterations on one device; the
 # other device sets train the first 21 (logs at 0, 10, 20), which must be the same.
 LENET_RUNS = {

@@ -127,10 +127,34 @@ class DeviceWork:
             test = tf.function(test, jit_compile=True, autograph=False)
         self._run, self._test = run, test
 
-    def train(self, shard, examples, delay_per_example=None):
+    @property
+    def guarded(self) -> bool:
+        """Whether a piece may hold no examples on some step: a shard cut into chains (an
+        epoch's last batch may be smaller than the pieces), or a device that may get none."""
+        return self.may_be_empty or self.chains > 1
+
+    def full(self, shard_sizes):
+        """Whether every piece of shards of `shard_sizes` holds examples this step."""
+        return tf.reduce_min(shard_sizes) >= self.chains
+
+    def train_either(self, shard, examples, delay_per_example=None):
+        """`train`, with its pieces guarded against holding no examples only on a step where
+        one may: a guard is a conditional of the whole piece, and the model's metric
+        updates inside it would make the piece wait for every piece traced before it
+        (a tf.function runs the stateful ops on one variable in program order), where
+        unguarded pieces run side by side."""
+        if not self.guarded or tf.executing_eagerly():
+            return self.train(shard, examples, delay_per_example)
+        return tf.cond(
+            self.full(tf.reshape(num_examples(shard), [1])),
+            lambda: self.train(shard, examples, delay_per_example, guard=False),
+            lambda: self.train(shard, examples, delay_per_example),
+        )
+
+    def train(self, shard, examples, delay_per_example=None, guard=True):
         """The model's train_step on `shard` of a global batch of `examples`, without the
         update: (its logs, its summed gradients (one per `self.variables`), whether it
-        held examples, its seconds)."""
+        held examples, its seconds). `guard=False`: every piece holds examples (`full`)."""
         n = num_examples(shard)
         start = None
         if self.timed or delay_per_example is not None:
@@ -140,7 +164,7 @@ class DeviceWork:
         parts = cut(shard, self.chains) if self.chains > 1 else [shard]
         logs, gradients = None, None
         for index, part in enumerate(parts):
-            guarded = self.may_be_empty or index > 0  # the later pieces of a small shard
+            guarded = guard and (self.may_be_empty or index > 0)  # later pieces of a small shard
             part_logs, part_gradients = self._piece(part, examples, guarded)
             if logs is None:
                 logs, gradients = part_logs, part_gradients

@@ -112,8 +112,11 @@ class TutorialLog(Hook):
         run.clock.start = time.perf_counter()
 
     def on_step_begin(self, run, step):
-        if run.plan.logs(step) and not self.running:
-            run.trainer.model.reset_metrics()  # the logged step's own batch
+        if self.running:
+            return
+        total, last = run.plan.total_steps, step + run.call[1] - run.call[0]
+        if run.plan.logs(step) or (total is not None and step < total <= last + 1):
+            run.trainer.model.reset_metrics()  # the logged step's own batch, and the last's
 
     def on_step_end(self, run, step):
         if run.first_step == run.start_step:

@@ -179,7 +179,7 @@ class MirroredTrainer(Trainer):
         }
 
     def _replica_step(self, shard, examples):
-        logs, gradients, held, seconds = self.work.train(shard, examples, self._delay())
+        logs, gradients, held, seconds = self.work.train_either(shard, examples, self._delay())
         if gradients:  # (a model without trainable weights has nothing to update)
             gradients = clip_before_all_reduce(self.optimizer, gradients)
             # Inside a replica, the optimizer all-reduces (sums) the gradients, then updates.

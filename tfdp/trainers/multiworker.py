@@ -179,7 +179,7 @@ class MultiWorkerTrainer(Trainer):
         from tfdp.steps import clip_before_all_reduce
 
         tf = self.tf
-        logs, gradients, held, seconds = self.work.train(batch, examples, self.delay)
+        logs, gradients, held, seconds = self.work.train_either(batch, examples, self.delay)
         if gradients:  # (a model without trainable weights has nothing to update)
             gradients = clip_before_all_reduce(self.optimizer, gradients)
             # Inside a replica, the optimizer all-reduces (sums) the gradients over all workers.

@@ -137,8 +137,20 @@ class WeightedTrainer(Trainer):
 
     def _devices(self, batch, examples, sizes, work=None):
         """Every device's train_step on its shard, without the update. Returns per-device
-        lists: logs, gradients, whether it held examples, seconds, moving statistics."""
+        lists: logs, gradients, whether it held examples, seconds, moving statistics.
+        Guarded against pieces without examples only on a step that has one
+        (`DeviceWork.train_either`): one conditional around every device, as the
+        devices' metric updates share the model's metric variables."""
         work = work or self.work
+        if not work.guarded or tf.executing_eagerly():
+            return self._on_devices(batch, examples, sizes, work, guard=True)
+        return tf.cond(
+            work.full(sizes),
+            lambda: self._on_devices(batch, examples, sizes, work, guard=False),
+            lambda: self._on_devices(batch, examples, sizes, work, guard=True),
+        )
+
+    def _on_devices(self, batch, examples, sizes, work, guard):
         shards = self._split(batch, sizes)
         before = [s.value.read_value() for s in self._statistics]
         logs, gradients, held, seconds, statistics = [], [], [], [], []
@@ -148,7 +160,7 @@ class WeightedTrainer(Trainer):
                     if i:  # every device starts from the same statistics
                         for variable, value in zip(self._statistics, before):
                             variable.assign(value)
-                    result = work.train(shard, examples, self._delay(i))
+                    result = work.train(shard, examples, self._delay(i), guard=guard)
                     statistics.append([s.value.read_value() for s in self._statistics])
                 for column, value in zip((logs, gradients, held, seconds), result):
                     column.append(value)
