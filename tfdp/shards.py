@@ -157,8 +157,6 @@ class Handed:
         self.gradients = {}
 
     def add(self, gradients, variables, weight=None):
-        from tfdp.steps import add_gradients
-
         for gradient, variable in zip(gradients, variables):
             if gradient is None:
                 continue
@@ -173,6 +171,16 @@ class Handed:
 
     def pairs(self):
         return [(self.gradients[id(v)], v) for v in self.variables]
+
+
+def add_gradients(a, b):
+    """Two gradients of a variable, summed; two sparse ones (IndexedSlices, an embedding's)
+    stay sparse: their rows side by side, as the optimizer adds them up."""
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape
+        )
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
 
 def _weighed(gradient, weight):

@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp import shards as shards_lib
+from tfdp.shards import add_gradients
 
 
 def num_examples(batch) -> tf.Tensor:
@@ -41,16 +42,6 @@ def unknown_batch_size(batch):
         return tf.compat.v1.placeholder_with_default(leaf, [None, *leaf.shape[1:]])
 
     return tf.nest.map_structure(relaxed, batch)
-
-
-def add_gradients(a, b):
-    """Two gradients of a variable, summed; two sparse ones (IndexedSlices, an embedding's)
-    stay sparse: their rows side by side, as the optimizer adds them up."""
-    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape
-        )
-    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
 
 def sum_gradients(per_device):
