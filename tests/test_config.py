@@ -7,15 +7,18 @@ from tfdp.config import DEFAULT_ITERATIONS
 
 
 def test_defaults_are_the_tutorial_lenet_run():
+    from tfdp.plan import with_batch_size
+
     config = Config()
     assert (
         config.model,
         config.dataset,
-        config.batch_size,
+        with_batch_size(config, None).batch_size,  # MNIST arrays: no batches of their own
         config.learning_rate,
         config.log_every,
         config.init,
     ) == ("lenet", "mnist", 1024, 0.1, 10, "tutorial")
+    assert config.batch_size is None  # the data's own batches where it has them
     assert config.iterations is None and config.epochs is None  # i.e. DEFAULT_ITERATIONS
     assert DEFAULT_ITERATIONS == 50
 

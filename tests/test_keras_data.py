@@ -179,6 +179,17 @@ def case_data(name):
             classifier,
             {**plain, "validation_data": forever(vx, vy, 40), "validation_steps": 2},
         ),
+        # with validation_steps, each of Keras' validations reads from the start again
+        "validation an endless Dataset in steps": (
+            classifier,
+            {**plain, "epochs": 3, "validation_steps": 2,
+             "validation_data": tf.data.Dataset.from_tensor_slices((vx, vy)).batch(8).repeat()},
+        ),
+        "validation a Dataset in steps": (
+            classifier,
+            {**plain, "epochs": 3, "validation_steps": 3,
+             "validation_data": tf.data.Dataset.from_tensor_slices((vx, vy)).batch(10)},
+        ),
         "class_weight on a PyDataset": (
             classifier,
             dict(
@@ -245,6 +256,8 @@ CASES = [
     "validation a batched Dataset",
     "validation a PyDataset",
     "validation a generator",
+    "validation an endless Dataset in steps",
+    "validation a Dataset in steps",
     "class_weight on a PyDataset",
     "class_weight on a generator",
     "a stream of unknown length",

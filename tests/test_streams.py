@@ -378,10 +378,37 @@ def test_the_command_names_a_batch_size_the_dataset_disagrees_with(records, tmp_
     script = tmp_path / "pipeline.py"
     script.write_text(SCRIPT.format(paths=records))
     error, line = refusal(
-        f"--model={script}:make_model", f"--dataset={script}:data", "--steps_per_epoch=5"
+        f"--model={script}:make_model",
+        f"--dataset={script}:data",
+        "--steps_per_epoch=5",
+        "--batch_size=1024",
     )
     assert (error.field, error.value) == ("batch_size", 1024)
-    assert "disagrees with the tf.data.Dataset's batches of 32" in line
+    assert line == (
+        "tfdp: error: --batch_size=1024: disagrees with the tf.data.Dataset's batches of 32 "
+        "(it is batched: leave batch_size out, or batch the dataset to it)"
+    )
+
+
+def test_the_command_takes_a_batched_datasets_batch_size(records, tmp_path):
+    """Without --batch_size, the command trains on the dataset's own batches, and says so."""
+    from absl.testing import flagsaver
+
+    from tfdp import cli, training
+
+    script = tmp_path / "pipeline.py"
+    script.write_text(SCRIPT.format(paths=records))
+    with flagsaver.flagsaver():
+        config = cli.checked_config(
+            cli.FLAGS(
+                ["tfdp", f"--model={script}:make_model", f"--dataset={script}:data",
+                 "--iterations=2", "--mode=weighted", "--devices=cpu:0,cpu:1"]
+            )
+        )
+    lines = []
+    result = training.run(training.prepare(config), lines.append)
+    assert result["batch_size"] == 32 and result["shards"] == [16, 16]
+    assert "global batch 32 (the tf.data.Dataset's batches) = 16 + 16 over 2" in "\n".join(lines)
 
 
 def test_a_stopped_stream_resumes_mid_pass_on_other_devices_exactly(records, keras_run, tmp_path):

@@ -134,7 +134,9 @@ def test_evaluation_is_the_same_on_every_device_set(mnist_dir):
         ("mirrored", CPUS[:3], ()),  # 10,000 = 9 x 1024 + 784: uneven last batch
         ("weighted", CPUS[:2], (1, 5)),
     ]:
-        config = Config(mode=mode, devices=",".join(devices), powers=powers, seed=1)
+        config = Config(
+            mode=mode, devices=",".join(devices), powers=powers, seed=1, batch_size=1024
+        )
         trainer = build_trainer(config, devices, partition(config, devices))
         values = evaluate(trainer, test, config.batch_size)
         trainer.close()

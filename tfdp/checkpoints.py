@@ -69,6 +69,7 @@ def check_model_dir(config) -> None:
         f"{field} {saved.get(field)!r} (now {value!r})"
         for field, value in run_settings(config).items()
         if saved.get(field, RUN_FIELD_DEFAULTS.get(field)) != value
+        and not (field == "batch_size" and value is None)  # known once the data is: checked again
     ]
     if different:
         raise ConfigError(
@@ -101,6 +102,7 @@ class Checkpointer:
         self.checkpoint = self._checkpoint(run=self.state)
         self.restored_path = None  # the checkpoint `restore` read
         self.input = None  # a stream's iterator, saved with each checkpoint (`keep_input`)
+        self.restore_status = None  # of the restored checkpoint, if any
         self.log = print
 
     def _checkpoint(self, **more):
@@ -188,10 +190,18 @@ class Checkpointer:
                 "model_dir",
             ) from None
 
-    def keep_input(self, iterator) -> None:
-        """Saves `iterator`'s position with every checkpoint from now on."""
+    def keep_input(self, iterator, restored: bool = True) -> None:
+        """Saves `iterator`'s position with every checkpoint from now on. restored: it
+        was put at the restored checkpoint's position (else the position that checkpoint
+        holds is not restored into it)."""
         self.input = iterator
-        self.checkpoint.input = iterator
+        if restored:
+            self.checkpoint.input = iterator
+        else:  # a new Checkpoint object: the old one would restore its saved position
+            if self.restore_status is not None:
+                self.restore_status.expect_partial()  # the position is left unrestored
+            self.checkpoint = self._checkpoint(run=self.state, input=iterator)
+            self.__dict__.pop("manager", None)
 
     def _without_input(self, error) -> None:
         """The stream's position cannot be saved (a generator inside it): the checkpoints
@@ -214,7 +224,8 @@ class Checkpointer:
         if not any(name.startswith("run/") for name in names):  # saved before the run state
             checkpoint = self._checkpoint()
         try:
-            checkpoint.restore(path).assert_existing_objects_matched()
+            self.restore_status = checkpoint.restore(path)
+            self.restore_status.assert_existing_objects_matched()
         except (AssertionError, ValueError) as error:  # another run's checkpoint
             raise ConfigError(
                 "model_dir",

@@ -259,7 +259,7 @@ HELP_GROUPS = (
     ),
     (
         "long runs",
-        "model_dir checkpoint_every keep_checkpoints eval_every result_json log_every progress",
+        "model_dir checkpoint_every keep_checkpoints eval_every eval_steps result_json log_every progress",
     ),
     ("unequal devices", "rebalance_every reduce simulate_slowdown"),
     ("multiworker", "cluster slurm_port_base collective collective_timeout"),

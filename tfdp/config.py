@@ -23,6 +23,7 @@ PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 # Each model reads one kind of input.
 DATASET_OF_MODEL = {"lenet": "mnist", "toy": "toy"}
 DEFAULT_ITERATIONS = 50  # the tutorial's run
+DEFAULT_BATCH_SIZE = 1024  # the tutorial's, for data tfdp batches itself
 # --collective_timeout's range. TensorFlow counts it in whole microseconds (a smaller
 # one is no limit) and silently drops one too large for them; below a second it
 # aborts healthy all-reduces, which wait for the slowest worker's step.
@@ -76,7 +77,11 @@ class Config:
         "weighted, multiworker: one relative speed per device (per worker), e.g. 1,5, or auto: "
         "measured at start-up. Default: equal.",
     )
-    batch_size: int = setting(1024, "Global batch size, over all devices.")
+    batch_size: int | None = setting(
+        None,
+        "Global batch size, over all devices. Default: the batches of a dataset that makes "
+        f"its own (a batched tf.data.Dataset, a PyDataset, a generator), else {DEFAULT_BATCH_SIZE}.",
+    )
     iterations: int | None = setting(
         None, f"Training steps (default {DEFAULT_ITERATIONS}, as the tutorial)."
     )
@@ -126,6 +131,11 @@ class Config:
         "never downloads. Default: $TFDP_MNIST_DIR.",
     )
     eval_every: int = setting(0, "Test-set accuracy every N steps (0: only at the end).")
+    eval_steps: int | None = setting(
+        None,
+        "Each evaluation reads the first N batches of the test data (default: all of it; an "
+        "infinite one needs N), as Keras fit's validation_steps.",
+    )
     model_dir: str | None = setting(
         None,
         "Checkpoints, TensorBoard logs, model.keras and result.json go here; a re-run with the "
@@ -254,8 +264,11 @@ def validate(config: Config) -> None:
     for field in ("jit_compile", "finite_guard"):
         if not isinstance(getattr(config, field), bool):
             raise ConfigError(field, getattr(config, field), "must be True or False")
-    for field in ("batch_size", "hidden_units", "checkpoint_every", "keep_checkpoints"):
+    for field in ("hidden_units", "checkpoint_every", "keep_checkpoints"):
         _positive_int(config, field)
+    for field in ("batch_size", "eval_steps"):  # None: the data's own batches; all of it
+        if getattr(config, field) is not None:
+            _positive_int(config, field)
     log_every = config.log_every
     if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
         raise ConfigError("log_every", log_every, "must be 0 (never) or more")

@@ -15,7 +15,7 @@ import os
 from tfdp import data as data_lib
 from tfdp import replicas, sources, streams
 from tfdp.checkpoints import check_model_dir
-from tfdp.config import AUTO, DATASETS, DEFAULT_ITERATIONS, MODELS, Config
+from tfdp.config import AUTO, DATASETS, DEFAULT_BATCH_SIZE, DEFAULT_ITERATIONS, MODELS, Config
 from tfdp.devices import (
     available_devices,
     even_split,
@@ -46,6 +46,7 @@ class Plan:
     train_data: object  # data_lib.Arrays, a nested structure of arrays, or a streams.Stream
     test_data: object  # the same, or None: no evaluation
     schedule: Schedule
+    batch_from: str | None = None  # where a batch size not given came from, for the banner
 
     @property
     def batches_per_pass(self) -> float | None:
@@ -250,9 +251,12 @@ def load_data(config: Config):
             )
         train, test = returned
     if streams.is_stream_input(train):  # read as a pipeline, batch by batch
+        batch_size = config.batch_size
+        if batch_size is None and not streams.makes_own_batches(train):
+            batch_size = DEFAULT_BATCH_SIZE
         try:
             train = streams.from_input(
-                train, config.batch_size, config.drop_remainder, config.shuffle, config.seed
+                train, batch_size, config.drop_remainder, config.shuffle, config.seed
             )
         except ConfigError as error:
             if error.field != "x":
@@ -262,7 +266,29 @@ def load_data(config: Config):
             ) from None
     else:
         train = sources.as_arrays(train, "dataset", config.dataset, "train")
-    return train, sources.as_arrays(test, "dataset", config.dataset, "validation")
+    return train, validation_of(test, config)
+
+
+def validation_of(test, config: Config):
+    """The test data of `--dataset` as tfdp reads it: a tf.data pipeline, PyDataset or
+    generator streamed, batch by batch, at each evaluation (`streams.EvalStream`); arrays
+    held."""
+    if not streams.is_stream_input(test):
+        return sources.as_arrays(test, "dataset", config.dataset, "validation")
+    try:
+        test = streams.eval_stream(test, "dataset")
+    except ConfigError as error:
+        raise ConfigError(
+            "dataset", config.dataset, f"validation data, a {error.value}, {error.reason}"
+        ) from None
+    if test.endless and config.eval_steps is None:
+        raise ConfigError(
+            "eval_steps",
+            None,
+            f"the validation data of {config.dataset}, a {test.source}, is infinite: give "
+            "eval_steps, the batches each evaluation reads",
+        )
+    return test
 
 
 def model_for(config: Config, model=None):
@@ -293,7 +319,7 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
         devices = parse_devices(
             config.devices or default_devices(config.mode, available), available
         )
-    shards = partition(config, devices)
+    partition(with_batch_size(config, None), devices)  # bad powers fail before data is read
     check_balancing(config, devices)
     if config.mode == "multiworker":
         from tfdp.cluster import join_cluster
@@ -309,6 +335,12 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
         if not isinstance(test_data, streams.EvalStream):
             test_data = sources.as_arrays(validation_data, "validation_data")
         field = "x"
+    batch_from = None
+    if config.batch_size is None and data_lib.is_stream(train_data):
+        batch_from = f"the {train_data.source}'s batches"
+    config = with_batch_size(config, train_data)
+    check_model_dir(config)  # now with the batch size the data gave
+    shards = partition(config, devices)
     examples = data_lib.size(train_data)
     if examples is not None and config.drop_remainder and config.batch_size > examples:
         raise ConfigError(
@@ -362,4 +394,14 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
         train_data,
         test_data,
         schedule,
+        batch_from,
     )
+
+
+def with_batch_size(config: Config, train_data) -> Config:
+    """The config with its batch size: the one given, else a stream's own batches, else
+    DEFAULT_BATCH_SIZE."""
+    if config.batch_size is not None:
+        return config
+    own = train_data.batch_size if data_lib.is_stream(train_data) else None
+    return dataclasses.replace(config, batch_size=own or DEFAULT_BATCH_SIZE)

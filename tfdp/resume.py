@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 
-from tfdp import streams
+from tfdp import bad_data, streams
 from tfdp.config import AUTO, Config
 from tfdp.epochs import Cursor
 from tfdp.errors import ConfigError
@@ -108,7 +108,8 @@ def stream_iterator(plan: Plan, trainer, checkpointer, cursor):
 
     A tf.data pipeline read by a host iterator has its position saved with every
     checkpoint, and a resume restores it there (with its shuffle buffers): no batch
-    is read again. A PyDataset is read on by index from the step's batch. Else, or from
+    is read again; but not a position saved at or before a step the stream failed at
+    (`bad_data`): that is read again to its step, as below. A PyDataset is read on by index from the step's batch. Else, or from
     a checkpoint without a position, the stream is read again from its start and the
     trained batches are dropped.
     """
@@ -118,7 +119,9 @@ def stream_iterator(plan: Plan, trainer, checkpointer, cursor):
     saves = checkpointer is not None and stream.one_pass and trainer.host_iterator
     saves = saves and unsaved is None
     note = None
-    if saves and start_step and checkpointer.saved_input():
+    failed = bad_data.distrusts_position(plan.config.model_dir, start_step) if saves else None
+    restored = saves and start_step and checkpointer.saved_input() and failed is None
+    if restored:
         iterator = trainer.distribute(stream.training_batches(0))
         checkpointer.restore_input(iterator)
         note = f"the {stream.source} at the position saved with the checkpoint"
@@ -127,12 +130,19 @@ def stream_iterator(plan: Plan, trainer, checkpointer, cursor):
         if start_step and stream.starting_at is not None:
             note = f"the {stream.source} read on by index from step {start_step}'s batch"
         elif start_step:
+            why = ""
+            if unsaved:
+                why = f", as its {unsaved} is not saved with a position"
+            elif failed is not None:
+                why = (
+                    f", not restored at the saved position: the stream failed at step "
+                    f"{failed}, and a position saved then holds the failure in its read-ahead"
+                )
             note = (
                 f"the {stream.source} is read again from its start and its first "
-                f"{start_step} batches dropped"
-                + (f", as its {unsaved} is not saved with a position" if unsaved else "")
-                + ": the same batches if it makes the same ones on every run"
+                f"{start_step} batches dropped{why}"
+                ": the same batches if it makes the same ones on every run"
             )
     if saves:
-        checkpointer.keep_input(iterator)
+        checkpointer.keep_input(iterator, restored=bool(restored))
     return iterator, note

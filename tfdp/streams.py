@@ -126,6 +126,12 @@ def is_stream_input(x) -> bool:
     return isinstance(x, (tf.data.Dataset, keras.utils.PyDataset, types.GeneratorType))
 
 
+def makes_own_batches(x) -> bool:
+    """Whether a stream input comes in batches of its own: a batched tf.data pipeline,
+    a PyDataset, a generator."""
+    return not isinstance(x, tf.data.Dataset) or dataset_batching(x)[0]
+
+
 def from_input(x, batch_size, drop_remainder=False, shuffle=True, seed=0, field="x") -> Stream:
     """The Stream of what Keras `fit` reads as a pipeline (see `is_stream_input`)."""
     import keras
@@ -239,7 +245,7 @@ def from_dataset(dataset, batch_size, drop_remainder, field="x", source="tf.data
         raise ConfigError(
             "batch_size",
             batch_size,
-            f"disagrees with the {source}'s batches of {size} (x is batched: leave "
+            f"disagrees with the {source}'s batches of {size} (it is batched: leave "
             "batch_size out, or batch the dataset to it)",
         )
     cardinality = int(dataset.cardinality())
@@ -431,7 +437,8 @@ class _WeighedPyDataset(keras.utils.PyDataset):
 class EvalStream:
     """Validation data read batch by batch at each evaluation, as Keras' `evaluate` reads
     it: a tf.data pipeline (batched, or batched here to the validation batch size) or a
-    PyDataset from its start every time; a generator on from where it stopped.
+    PyDataset from its start every time, with validation_steps too (Keras' `evaluate`
+    resets its iterator); a generator on from where it stopped.
 
     Attributes:
       source: what the user gave, as errors name it.
@@ -445,6 +452,7 @@ class EvalStream:
     sample: object
     read: Callable
     endless: bool = False
+    dataset: object = None  # a tf.data pipeline's dataset, as given
 
     def batches(self, batch_size: int, steps: int | None):
         return self.read(batch_size, steps)
@@ -468,7 +476,7 @@ def eval_stream(data, field: str = "validation_data") -> EvalStream:
         )
         sample = _zeros(spec, 2)
         endless = cardinality == tf.data.INFINITE_CARDINALITY
-        return EvalStream("tf.data.Dataset", sample, read_dataset, endless)
+        return EvalStream("tf.data.Dataset", sample, read_dataset, endless, data)
     if isinstance(data, keras.utils.PyDataset):
         count = data.num_batches
         if count == 0:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 from typing import Callable
 
 import tensorflow as tf
 
+from tfdp import bad_data
 from tfdp import data as data_lib
 from tfdp import onednn
 from tfdp.storage import export_model, write_atomically
@@ -54,25 +54,29 @@ def reading_input(error) -> bool:
 
 
 def input_failure(plan: Plan, run, error, checkpointer) -> str:
-    """One line for a stream that failed at a step: what, where, and what stands."""
+    """One line for a training stream that failed at a step (`bad_data.failure_line`);
+    noted in model_dir, so that a rerun does not restore a position saved past it."""
     data = plan.train_data
-    boilerplate = ("Graph execution error", "Detected at node", "<stack traces", "Traceback")
-    lines = [line.strip() for line in getattr(error, "message", str(error)).splitlines()]
-    cause = next((line for line in lines if line and not line.startswith(boilerplate)), "")
-    cause = cause.split(" [[", 1)[0].split(" [Op:", 1)[0]
-    if isinstance(error, tf.errors.OutOfRangeError):
-        what = "ran out of batches"
-    elif re.match(r"^\w+(Error|Exception): ", cause):  # the user's code raised it
-        what = f"failed ({cause})"
-    else:
-        what = f"failed ({type(error).__name__}: {cause})"
-    step = run.step
-    text = f"the training data ({data.source}) {what} at step {step}"
     latest = tf.train.latest_checkpoint(checkpointer.directory) if checkpointer else None
-    if latest:
-        return f"{text}; {latest} stands: run again to resume from it"
-    return f"{text}; no checkpoint was saved"
+    line = bad_data.failure_line(
+        f"the training data ({data.source})", error, run.step, data.dataset, latest
+    )
+    if checkpointer is not None and run.trainer.is_chief:
+        bad_data.note_failure(plan.config.model_dir, run.step, line)
+    return line
 
+
+def validation_failure(data, run, error, checkpointer) -> str:
+    """One line for validation data that failed to read in an evaluation."""
+    latest = tf.train.latest_checkpoint(checkpointer.directory) if checkpointer else None
+    return bad_data.failure_line(
+        f"the validation data ({getattr(data, 'source', 'arrays')})",
+        error,
+        run.step,
+        getattr(data, "dataset", None),
+        latest,
+        when="in the evaluation at",
+    )
 
 
 class FitResult(dict):
@@ -175,6 +179,11 @@ def run_trainer(plan: Plan, trainer, log, callbacks, verbose, validation) -> dic
         )
         try:
             train_loop(state, hooks)
+        except bad_data.ValidationFailed as failed:
+            data = plan.test_data if plan.test_data is not None else validation[0]
+            raise DataError(
+                validation_failure(data, state, failed.error, checkpointer)
+            ) from None
         except tf.errors.OpError as error:
             if not data_lib.is_stream(plan.train_data) or not reading_input(error):
                 raise

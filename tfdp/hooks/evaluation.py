@@ -4,24 +4,35 @@ from __future__ import annotations
 
 import time
 
+import tensorflow as tf
+
+from tfdp import bad_data
 from tfdp import data as data_lib
 from tfdp.hooks.report import described
 from tfdp.loop import Hook
 
 
-def evaluate(trainer, data, batch_size: int, callbacks=None, steps: int | None = None):
+def evaluate(trainer, data, batch_size: int, callbacks=None, steps: int | None = None, seen=None):
     """The model's test_step over every example of `data` (the first `steps` batches' only,
     if given), each batch split over the devices as the trainer splits a training batch,
     as Keras' `evaluate` runs it: the metrics reset first, then running over the batches.
     Returns the logs after the last batch (Python numbers).
 
     callbacks: a Keras CallbackList whose test-batch hooks are called for each batch.
+    seen: a list that gets each batch's examples.
+
+    Raises:
+      bad_data.ValidationFailed: reading the data failed (a corrupt file, a generator
+        that raised).
     """
     from tfdp.hooks.report import keras_logs
 
     trainer.model.reset_metrics()
     logs = {}
-    for index, batch in enumerate(data_lib.eval_batches(data, batch_size, steps)):
+    batches = bad_data.reading(data_lib.eval_batches(data, batch_size, steps))
+    for index, batch in enumerate(batches):
+        if seen is not None:
+            seen.append(data_lib.length(tf.nest.flatten(batch)[0]))
         if callbacks is not None:
             callbacks.on_test_batch_begin(index)
         logs = keras_logs(trainer.test_step(batch))
@@ -66,14 +77,14 @@ class Evaluation(Hook):
             return
         from tfdp.hooks.report import floats
 
+        config, seen = plan.config, []
         with metrics_kept(run.trainer.model):
-            values = floats(evaluate(run.trainer, plan.test_data, plan.config.batch_size))
+            logs = evaluate(
+                run.trainer, plan.test_data, config.batch_size, steps=config.eval_steps, seen=seen
+            )
+        values = floats(logs)
         named = {f"test_{k}": v for k, v in values.items()}
         run.result["evals"].append({"iteration": step, **named})
-        examples = data_lib.size(plan.test_data)
-        run.say(
-            f"iteration {step}, {described(values, 'test ')}"
-            + (f" ({examples} examples)" if examples is not None else "")
-        )
+        run.say(f"iteration {step}, {described(values, 'test ')} ({sum(seen)} examples)")
         if self.summaries:
             self.summaries.write_eval(step, named)

@@ -35,7 +35,9 @@ def banner(plan, trainer, start_step: int, shards: list[int], input_note=None) -
     if per_pass is None:
         data = "passes of a stream of unknown length (an epoch ends where a pass does)"
     elif per_pass == math.inf:
-        data = f"an endless stream, epochs of {plan.steps_per_epoch} steps"
+        data = "an endless stream" + (
+            f", epochs of {plan.steps_per_epoch} steps" if plan.steps_per_epoch else ""
+        )
     else:
         of = "a stream" if plan.examples is None else f"{plan.examples} examples"
         data = f"{per_pass} steps per epoch of {of}"
@@ -46,7 +48,9 @@ def banner(plan, trainer, start_step: int, shards: list[int], input_note=None) -
     else:
         steps = f"{total} iterations ({total / per_pass:.2f} epochs)"
     text = (
-        f"global batch {config.batch_size} = {split} over {n} {trainer.unit}, mode {config.mode}; "
+        f"global batch {config.batch_size}"
+        + (f" ({plan.batch_from})" if plan.batch_from else "")
+        + f" = {split} over {n} {trainer.unit}, mode {config.mode}; "
         f"{data}; {steps} at learning rate {learning_rate(trainer.optimizer):g}"
     )
     schedule = schedule_of(trainer.optimizer)
