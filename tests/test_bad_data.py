@@ -211,3 +211,40 @@ def test_bad_validation_data_stops_the_run_and_the_rerun_resumes(bad_run, tmp_pa
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     _, accuracy = reference.evaluate(test.batch(1024), verbose=0)
     assert result(model_dir)["test_metrics"]["accuracy"] == pytest.approx(accuracy, abs=1e-6)
+
+
+def test_the_words_are_tensorflows_own_from_a_graph_and_from_python(tmp_path):
+    """An error raised inside a tf.function comes wrapped in "Graph execution error",
+    the stack where the op was made and the node: the line keeps TensorFlow's message
+    only; a Python error raised in a generator keeps its own class and message."""
+    from tfdp import bad_data
+
+    write_records(str(tmp_path), files=1)
+    path = str(tmp_path / "part-0.tfrecord")
+    corrupt(path)
+    kind, words = plain_tensorflow_error(path)
+    assert (kind, words.split(" at ")[0]) == ("DataLossError", "corrupted record")
+
+    @tf.function
+    def read(iterator):
+        return next(iterator)
+
+    with pytest.raises(tf.errors.DataLossError) as raised:
+        read(iter(tf.data.TFRecordDataset(path).batch(RECORDS)))
+    assert "Graph execution error" in str(raised.value)  # the wrapping is there to drop
+    assert bad_data.described(raised.value) == f"{kind}: {words}"
+
+    def batches():
+        yield np.zeros((2, FEATURES), np.float32), np.zeros(2, np.int64)
+        raise ValueError("row 3 has no label")
+
+    dataset = tf.data.Dataset.from_generator(
+        batches,
+        output_signature=(
+            tf.TensorSpec((None, FEATURES), tf.float32),
+            tf.TensorSpec((None,), tf.int64),
+        ),
+    )
+    with pytest.raises(tf.errors.OpError) as raised:
+        list(dataset)
+    assert bad_data.described(raised.value) == "ValueError: row 3 has no label"

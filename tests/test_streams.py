@@ -345,6 +345,9 @@ def make_model():
 
 def data():
     return t.pipeline({paths!r}).repeat(), None
+
+def validated():
+    return t.pipeline({paths!r}).repeat(), t.pipeline({paths!r}, batched=False).repeat()
 """
 
 
@@ -409,6 +412,59 @@ def test_the_command_takes_a_batched_datasets_batch_size(records, tmp_path):
     result = training.run(training.prepare(config), lines.append)
     assert result["batch_size"] == 32 and result["shards"] == [16, 16]
     assert "global batch 32 (the tf.data.Dataset's batches) = 16 + 16 over 2" in "\n".join(lines)
+
+
+COMMAND_MODES = {
+    "single": ["--mode=single"],
+    "mirrored 2": ["--mode=mirrored", "--devices=cpu:0,cpu:1"],
+    "weighted [1, 3]": ["--mode=weighted", "--devices=cpu:0,cpu:1", "--powers=1,3"],
+}
+
+
+@pytest.mark.parametrize("name", COMMAND_MODES)
+def test_the_command_streams_endless_validation_data_in_eval_steps(
+    name, records, keras_repeated, tmp_path
+):
+    """--dataset's validation data, an unbatched, endless pipeline: batched to the
+    training batch, read --eval_steps batches at each evaluation, as Keras' evaluate
+    with steps reads it."""
+    from helpers import cli_in_process, result
+
+    script = tmp_path / "pipeline.py"
+    script.write_text(SCRIPT.format(paths=records))
+    model_dir = tmp_path / "run"
+    status = cli_in_process(
+        f"--model={script}:make_model",
+        f"--dataset={script}:validated",
+        "--steps_per_epoch=5",
+        "--epochs=3",
+        "--eval_steps=3",
+        "--log_every=0",
+        f"--model_dir={model_dir}",
+        *COMMAND_MODES[name],
+    )
+    assert status == 0
+    _, reference = keras_repeated
+    validation = pipeline(records, batched=False).repeat().batch(BATCH)
+    loss, accuracy = reference.evaluate(validation, steps=3, verbose=0)
+    metrics = result(model_dir)["test_metrics"]
+    assert metrics["loss"] == pytest.approx(loss, rel=1e-5)
+    assert metrics["accuracy"] == pytest.approx(accuracy, abs=1e-6)
+
+
+def test_the_command_refuses_endless_validation_data_without_eval_steps(records, tmp_path):
+    from helpers import refusal
+
+    script = tmp_path / "pipeline.py"
+    script.write_text(SCRIPT.format(paths=records))
+    error, line = refusal(
+        f"--model={script}:make_model", f"--dataset={script}:validated", "--steps_per_epoch=5"
+    )
+    assert (error.field, error.value) == ("eval_steps", None)
+    assert line == (
+        f"tfdp: error: --eval_steps (not given): the validation data of {script}:validated, a "
+        "tf.data.Dataset, is infinite: give eval_steps, the batches each evaluation reads"
+    )
 
 
 def test_a_stopped_stream_resumes_mid_pass_on_other_devices_exactly(records, keras_run, tmp_path):
@@ -788,6 +844,20 @@ def test_a_tensorflow_datasets_dataset_keeps_features_that_are_not_images(mock_t
     np.testing.assert_array_equal(x.numpy(), own_x.numpy())  # not scaled: not an image
     np.testing.assert_array_equal(y.numpy(), own_y.numpy())
     assert validation is not None  # mock data has every split; iris itself has only train
+
+
+def test_a_tensorflow_datasets_validation_split_is_streamed(mock_tfds, tmp_path):
+    """tfds:NAME's test split is read batch by batch at each evaluation, never held."""
+    from tfdp.config import Config
+    from tfdp.plan import load_data
+    from tfdp.streams import EvalStream
+
+    _, test = load_data(Config(dataset="tfds:mnist", data_dir=str(tmp_path / "tfds")))
+    assert isinstance(test, EvalStream)
+    assert isinstance(test.dataset, tf.data.Dataset)
+    batches = list(test.batches(32, None))
+    assert sum(len(y) for _, y in batches) == 96  # the mock's examples, all of them
+    assert len(batches) == 3
 
 
 def test_a_tensorflow_datasets_download_that_fails_names_data_dir(tmp_path, monkeypatch):

@@ -119,6 +119,8 @@ def _flag_text(field: str, value) -> str:
     if field == ARGUMENTS:
         return f"unexpected arguments {value}"
     if field in FLAGS:
+        if FLAGS[field].value is None:
+            return f"--{field} (not given)"
         return FLAGS[field].serialize() or f"--{field}="
     return f"{field}={value}"
 
