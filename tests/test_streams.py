@@ -538,16 +538,17 @@ out, paths = sys.argv[1], sys.argv[2:]
 trained, reads = t.model(), []
 history = tfdp.fit(
     trained, t.pipeline(paths, reads=reads).repeat(), epochs=3, steps_per_epoch=5, verbose=0,
+    validation_data=t.pipeline(paths).repeat(), validation_steps=3,
     mode="multiworker", powers=(1, 3),
 )
-np.savez(out, *trained.get_weights(), loss=history.history["loss"], reads=len(reads))
+np.savez(out, *trained.get_weights(), reads=len(reads), **history.history)
 """
 
 
 @pytest.mark.slow
-def test_two_workers_stream_the_pipeline_as_keras_fit_on_one_device(
-    records, keras_repeated, tmp_path
-):
+def test_two_workers_stream_the_pipeline_as_keras_fit_on_one_device(records, tmp_path):
+    """Each worker trains on its slice of every global batch and evaluates its slice
+    of every validation batch: Keras fit's losses, val_ logs and weights on one device."""
     import os
     import sys
 
@@ -564,7 +565,11 @@ def test_two_workers_stream_the_pipeline_as_keras_fit_on_one_device(
         [environment(TF_CONFIG=c, PYTHONPATH=here) for c in tf_configs(free_ports(2))],
     )
     assert [status for status, _, _ in ran] == [0, 0], [err[-3000:] for _, _, err in ran]
-    keras_history, reference = keras_repeated
+    reference = model()  # and an endless validation stream, read 3 batches at a time
+    keras_history = reference.fit(
+        pipeline(records).repeat(), epochs=3, steps_per_epoch=5, verbose=0,
+        validation_data=pipeline(records).repeat(), validation_steps=3,
+    )
     for out in outs:
         saved = np.load(out)
         # A pure stream: each worker parses every record of the 15 global batches (two
@@ -573,7 +578,8 @@ def test_two_workers_stream_the_pipeline_as_keras_fit_on_one_device(
         # records in all were seen), never the global batches twice.
         in_batches = 2 * EXAMPLES + BATCH
         assert in_batches <= saved["reads"] < 2 * in_batches
-        np.testing.assert_allclose(saved["loss"], keras_history.history["loss"], rtol=1e-5)
+        for key in ("loss", "val_loss", "val_accuracy"):
+            np.testing.assert_allclose(saved[key], keras_history.history[key], rtol=1e-5)
         weights = [saved[f"arr_{i}"] for i in range(len(reference.get_weights()))]
         for got, expected in zip(weights, reference.get_weights(), strict=True):
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

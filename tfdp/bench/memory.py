@@ -5,8 +5,11 @@ random examples (uint8 28x28 images, int64 labels), then trains one pass over ea
 through `tfdp.fit` (a small dense model, batch `--batch_size`, mode `--mode`), each run
 in a fresh process, and reports each process's peak resident memory (ru_maxrss).
 For contrast, the same examples held as numpy arrays: their memory grows with them.
+Then validation data of each size, streamed: the command's `--dataset=FILE:FUNCTION`
+returning the smaller training stream and the validation stream, 20 steps with an
+evaluation every 10 (each one reads all of the validation data).
 
-  python -m tfdp.bench.memory --examples=20000 --factor=8 --json=memory.jsonl
+  python -m tfdp.bench.memory --examples=20000 --factor=8 --json=docs/bench_memory.jsonl
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def define_flags() -> None:
     flags.DEFINE_string("child", None, "Internal: the JSON job of one measured run.")
 
 
+SOURCES = ("stream", "arrays", "validation")  # what grows: the training data, or the validation data
 FILES = records.FILES  # TFRecord files per dataset
 IMAGE_BYTES = 28 * 28
 
@@ -74,6 +78,57 @@ def _model():
     return model
 
 
+def stream(paths, examples, batch_size, shuffle=True):
+    """The TFRecord files' examples, parsed, shuffled through a buffer of 10,000 (or
+    not), batched."""
+    import tensorflow as tf
+
+    data = (
+        tf.data.TFRecordDataset(paths)
+        .map(_parse)
+        .apply(tf.data.experimental.assert_cardinality(examples))
+    )
+    return (data.shuffle(10000, seed=1) if shuffle else data).batch(batch_size)
+
+
+VALIDATION_SCRIPT = """
+import json
+import os
+
+from tfdp.bench import memory
+
+JOB = json.loads(os.environ["TFDP_MEMORY_JOB"])
+
+
+def model():
+    return memory._model()
+
+
+def data():
+    train = memory.stream(JOB["train_paths"], JOB["train_examples"], JOB["batch_size"])
+    return train, memory.stream(JOB["paths"], JOB["examples"], JOB["batch_size"], shuffle=False)
+"""
+
+
+def validation_run(job: dict) -> dict:
+    """20 steps of the command's path with streamed validation data, evaluated every 10."""
+    from tfdp import training
+    from tfdp.config import Config
+
+    script = job["script"]
+    config = Config(
+        model=f"{script}:model",
+        dataset=f"{script}:data",
+        mode=job["mode"],
+        devices=job["devices"] or None,
+        iterations=20,
+        eval_every=10,
+        log_every=0,
+    )
+    result = training.run(training.prepare(config), lambda line: None)
+    return {"steps": result["iterations"], "evaluations": len(result["evals"])}
+
+
 def child(job: dict) -> dict:
     """One run in this process: one pass over the job's data; its peak memory."""
     if job["logical_cpus"]:
@@ -81,20 +136,16 @@ def child(job: dict) -> dict:
 
         configure_logical_devices(logical_cpus=job["logical_cpus"])
     import numpy as np
-    import tensorflow as tf
 
     import tfdp
 
     examples, batch = job["examples"], job["batch_size"]
+    if job["source"] == "validation":
+        start = time.perf_counter()
+        ran = validation_run(job)
+        return measured(job, ran["steps"], time.perf_counter() - start, ran)
     if job["source"] == "stream":
-        data = (
-            tf.data.TFRecordDataset(job["paths"])
-            .map(_parse)
-            .apply(tf.data.experimental.assert_cardinality(examples))
-            .shuffle(10000, seed=1)
-            .batch(batch)
-        )
-        inputs = {"x": data}
+        inputs = {"x": stream(job["paths"], examples, batch)}
     else:  # the same kind of examples, held as arrays
         rng = np.random.default_rng(job["seed"])
         x = rng.integers(0, 256, (examples, IMAGE_BYTES), dtype=np.uint8).astype(np.float32) / 255
@@ -104,14 +155,19 @@ def child(job: dict) -> dict:
         settings["devices"] = job["devices"]
     start = time.perf_counter()
     history = tfdp.fit(_model(), **inputs, epochs=1, verbose=0, **settings)
-    seconds = time.perf_counter() - start
+    return measured(job, history.result["iterations"], time.perf_counter() - start)
+
+
+def measured(job: dict, steps: int, seconds: float, more=None) -> dict:
+    """The job's figures: its steps and time, this process's peak resident memory."""
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     return {
-        **{k: v for k, v in job.items() if k != "paths"},
-        "steps": history.result["iterations"],
+        **{k: v for k, v in job.items() if k not in ("paths", "train_paths", "script")},
+        **(more or {}),
+        "steps": steps,
         "seconds": seconds,
         "peak_rss_mib": peak_kib / 1024,
-        "data_mib": examples * (IMAGE_BYTES + 8) / 2**20,
+        "data_mib": job["examples"] * (IMAGE_BYTES + 8) / 2**20,
     }
 
 
@@ -120,7 +176,7 @@ def run_child(job: dict) -> dict:
         [sys.executable, "-m", "tfdp.bench.memory", f"--child={json.dumps(job)}"],
         capture_output=True,
         text=True,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TFDP_MEMORY_JOB=json.dumps(job)),
     )
     if process.returncode != 0:
         raise RuntimeError(process.stderr[-3000:])
@@ -176,11 +232,16 @@ def main(argv) -> None:
             directory = os.path.join(root, str(examples))
             os.makedirs(directory)
             paths[examples] = write_records(directory, examples, seed=i)
-        for source in ("stream", "arrays"):
+        script = os.path.join(root, "validated.py")
+        with open(script, "w") as f:
+            f.write(VALIDATION_SCRIPT)
+        for source in SOURCES:
             for i, examples in enumerate(sizes):
                 job = {**common, "source": source, "examples": examples, "seed": i}
-                if source == "stream":
+                if source != "arrays":
                     job["paths"] = paths[examples]
+                if source == "validation":  # training on the smaller stream
+                    job.update(script=script, train_paths=paths[sizes[0]], train_examples=sizes[0])
                 rows.append(run_child(job))
                 r = rows[-1]
                 print(
@@ -189,7 +250,7 @@ def main(argv) -> None:
                     f"peak RSS {r['peak_rss_mib']:.0f} MiB",
                     flush=True,
                 )
-    for source in ("stream", "arrays"):
+    for source in SOURCES:
         small, large = (r for r in rows if r["source"] == source)
         print(
             f"{source}: peak RSS with {FLAGS.factor}x the data: "
