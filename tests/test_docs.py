@@ -281,15 +281,18 @@ def headings(path):
         return [line.lstrip("#").strip() for line in f if re.match(r"#{2,3} ", line)]
 
 
-def test_build_notes_titles_cited_in_the_code_are_headings():
+def test_build_notes_titles_cited_in_the_code_and_docs_are_headings():
     cited = []
-    for path in glob.glob(os.path.join(ROOT, "tfdp", "**", "*.py"), recursive=True) + glob.glob(
-        os.path.join(ROOT, "tests", "*.py")
+    for path in (
+        glob.glob(os.path.join(ROOT, "tfdp", "**", "*.py"), recursive=True)
+        + glob.glob(os.path.join(ROOT, "tests", "*.py"))
+        + glob.glob(os.path.join(ROOT, "docs", "*.md"))
+        + [os.path.join(ROOT, "README.md")]
     ):
         with open(path) as f:
             text = re.sub(r"\s*\n\s*(#\s*)?", " ", f.read())
         if os.path.abspath(path) != os.path.abspath(__file__):
-            cited += [(path, title) for title in re.findall(r'BUILD_NOTES, "([^"]+)"', text)]
+            cited += [(path, title) for title in re.findall(r'BUILD_NOTES[,:] "([^"]+)"', text)]
     assert cited
     titles = headings("BUILD_NOTES.md")
     for path, title in cited:
