@@ -351,30 +351,6 @@ def validated():
 """
 
 
-def test_the_command_streams_a_dataset_a_function_returns(records, keras_repeated, tmp_path):
-    from helpers import cli_in_process, load_weights
-
-    script = tmp_path / "pipeline.py"
-    script.write_text(SCRIPT.format(paths=records))
-    model_dir = tmp_path / "run"
-    status = cli_in_process(
-        f"--model={script}:make_model",
-        f"--dataset={script}:data",
-        "--batch_size=32",
-        "--steps_per_epoch=5",
-        "--epochs=3",
-        "--mode=weighted",
-        "--devices=cpu:0,cpu:1",
-        "--powers=1,3",
-        "--log_every=0",
-        f"--model_dir={model_dir}",
-    )
-    assert status == 0
-    _, reference = keras_repeated
-    for got, expected in zip(load_weights(model_dir), reference.get_weights(), strict=True):
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-
-
 def test_the_command_names_a_batch_size_the_dataset_disagrees_with(records, tmp_path):
     from helpers import refusal
 
@@ -422,13 +398,14 @@ COMMAND_MODES = {
 
 
 @pytest.mark.parametrize("name", COMMAND_MODES)
-def test_the_command_streams_endless_validation_data_in_eval_steps(
+def test_the_command_streams_a_dataset_function_s_pipelines(
     name, records, keras_repeated, tmp_path
 ):
-    """--dataset's validation data, an unbatched, endless pipeline: batched to the
-    training batch, read --eval_steps batches at each evaluation, as Keras' evaluate
-    with steps reads it."""
-    from helpers import cli_in_process, result
+    """--dataset=FILE:FUNCTION's pipelines, streamed: the training one gives Keras fit's
+    weights; the validation one, unbatched and endless, is batched to the training
+    batch and read --eval_steps batches at each evaluation, as Keras' evaluate with
+    steps reads it."""
+    from helpers import cli_in_process, load_weights, result
 
     script = tmp_path / "pipeline.py"
     script.write_text(SCRIPT.format(paths=records))
@@ -436,6 +413,7 @@ def test_the_command_streams_endless_validation_data_in_eval_steps(
     status = cli_in_process(
         f"--model={script}:make_model",
         f"--dataset={script}:validated",
+        "--batch_size=32",
         "--steps_per_epoch=5",
         "--epochs=3",
         "--eval_steps=3",
@@ -445,6 +423,8 @@ def test_the_command_streams_endless_validation_data_in_eval_steps(
     )
     assert status == 0
     _, reference = keras_repeated
+    for got, expected in zip(load_weights(model_dir), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     validation = pipeline(records, batched=False).repeat().batch(BATCH)
     loss, accuracy = reference.evaluate(validation, steps=3, verbose=0)
     metrics = result(model_dir)["test_metrics"]
