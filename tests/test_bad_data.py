@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import cli_in_process, load_weights, result
+from helpers import cli_in_process, launch, load_weights, result, worker_lines
 
 FILES, RECORDS, BATCH, FEATURES = 4, 40, 16, 8
 
@@ -43,6 +43,11 @@ def make_model():
 
 def data():
     return records({train!r}).repeat().batch({batch}), None
+
+def data_on_hosts():  # worker 1 reads its own host's copy of the files
+    import json, os
+    task = json.loads(os.environ.get("TF_CONFIG", "{{}}")).get("task", {{}})
+    return records({train!r} + ("-host1" if task.get("index") else "")).repeat().batch({batch}), None
 
 def data_validated():
     return records({train!r}).repeat().batch({batch}), records({validation!r})
@@ -164,6 +169,63 @@ def test_a_corrupt_record_costs_one_rerun(broken, repaired, bad_run, tmp_path, c
         f"resuming at iteration {failing_step - failing_step % 2} from {model_dir} (the "
         "tf.data.Dataset is read again from its start" in out
     )
+    assert result(model_dir)["iterations"] == steps
+    for got, want in zip(load_weights(model_dir), keras_weights(script, steps), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad_on", ["every host", "one host"])
+def test_two_workers_stop_at_a_bad_record_and_resume_once_repaired(bad_on, bad_run, tmp_path):
+    """multiworker, each worker reading its own host's copy of the files. Bad on every
+    host: both stop at the bad record's step with the line. Bad on one host: that worker
+    stops with the line, the other as for a worker that died. Repaired, a relaunch
+    resumes both from the chief's checkpoint and ends with Keras' weights of an unbroken
+    run."""
+    script, chiefs, good, failing_step = bad_run
+    host1 = chiefs.parent.with_name("train-host1")
+    shutil.copytree(chiefs.parent, host1)
+    if bad_on == "one host":
+        shutil.copy(good, chiefs)
+    bad = (
+        {0: chiefs, 1: host1 / chiefs.name} if bad_on == "every host" else {1: host1 / chiefs.name}
+    )
+    steps = failing_step + 4
+    model_dir = tmp_path / "run"
+    common = [
+        f"--model={script}:make_model",
+        f"--dataset={script}:data_on_hosts",
+        f"--iterations={steps}",
+        "--checkpoint_every=2",
+        "--log_every=0",
+        "--progress=never",
+        f"--model_dir={model_dir}",
+    ]
+    kind, words = plain_tensorflow_error(str(host1 / chiefs.name))
+    latest = model_dir / "checkpoints" / f"ckpt-{failing_step - failing_step % 2}"
+    stopped = launch(*common, timeout=180)
+    assert stopped.returncode == 1
+    for worker, path in bad.items():
+        assert worker_lines(stopped.stderr, worker)[-1] == (
+            f"tfdp: error: the training data (tf.data.Dataset) failed ({kind}: {words}) at "
+            f"step {failing_step}; each of its {FILES} TFRecord file(s) read again: {path} "
+            f"({kind}: {words}); {latest} stands: run again to resume from it"
+        )
+    if bad_on == "one host":
+        line = worker_lines(stopped.stderr, 0)[-1]
+        assert line.startswith("tfdp: error: worker:0 lost the cluster, a worker died"), line
+        assert line.endswith(f"restart every worker with the same flags to resume from {latest}")
+    for path in bad.values():
+        shutil.copy(good, path)
+    resumed = launch(*common, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr
+    # Bad on the chief's host, its saved position holds the failure: read again.
+    position = "is read again from its start" if bad_on == "every host" else "at the position saved"
+    for worker in (0, 1):
+        assert (
+            f"resuming at iteration {failing_step - failing_step % 2} from {model_dir} (the "
+            f"tf.data.Dataset {position}" in "\n".join(worker_lines(resumed.stdout, worker))
+        )
     assert result(model_dir)["iterations"] == steps
     for got, want in zip(load_weights(model_dir), keras_weights(script, steps), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
