@@ -12,7 +12,9 @@ import zlib
 import numpy as np
 import tensorflow as tf
 
+from tfdp import leaves
 from tfdp.errors import ConfigError
+from tfdp.streams import EvalStream, Stream
 
 MNIST_DIR_ENV = "TFDP_MNIST_DIR"
 IDX_FILES = {  # split -> (images file, labels file)
@@ -219,47 +221,19 @@ def make_toy_data(
 
 def is_stream(data) -> bool:
     """Whether `data` is a pipeline read while training (`streams.Stream`), not arrays."""
-    from tfdp.streams import Stream
-
     return isinstance(data, Stream)
 
 
 def size(data) -> int | None:
     """The examples in `data`: an Arrays, or a nested structure of arrays (checked), or a
     stream's examples per pass (None: unknown without reading it)."""
-    from tfdp.streams import EvalStream
-
     if isinstance(data, Arrays):
         return len(data)
     if is_stream(data):
         return data.examples
     if isinstance(data, EvalStream):
         return None
-    return length(tf.nest.flatten(data)[0])
-
-
-def is_composite(leaf) -> bool:
-    """Whether a leaf is a sparse or ragged tensor (kept as it is, read by its rows)."""
-    return isinstance(leaf, (tf.SparseTensor, tf.RaggedTensor))
-
-
-def length(leaf) -> int | None:
-    """The examples of one leaf of data (rows of a sparse or ragged tensor); None: not an
-    array of examples."""
-    if isinstance(leaf, tf.SparseTensor):
-        return int(leaf.dense_shape[0])
-    if isinstance(leaf, tf.RaggedTensor):
-        return int(leaf.nrows())
-    return len(leaf) if np.ndim(leaf) else None
-
-
-def shape_of(leaf) -> tuple:
-    """A leaf's shape, for messages (a ragged tensor's ragged dimensions as None)."""
-    if isinstance(leaf, tf.SparseTensor):
-        return tuple(int(n) for n in leaf.dense_shape)
-    if isinstance(leaf, tf.RaggedTensor):
-        return tuple(leaf.shape.as_list())
-    return tuple(np.shape(leaf))
+    return leaves.length(tf.nest.flatten(data)[0])
 
 
 def check_arrays(data, field: str) -> None:
@@ -267,52 +241,17 @@ def check_arrays(data, field: str) -> None:
     the same, non-zero length."""
     if isinstance(data, Arrays):
         return
-    leaves = tf.nest.flatten(data)
-    lengths = [length(leaf) for leaf in leaves]
-    if not leaves or None in lengths:
+    parts = tf.nest.flatten(data)
+    lengths = [leaves.length(leaf) for leaf in parts]
+    if not parts or None in lengths:
         raise ConfigError(
             field, type(data).__name__, "must be arrays (or a nested structure of them) of examples"
         )
     if len(set(lengths)) > 1:
-        shapes = tf.nest.map_structure(shape_of, data)
+        shapes = tf.nest.map_structure(leaves.shape_of, data)
         raise ConfigError(field, shapes, f"has leaves of different lengths {sorted(set(lengths))}")
     if lengths[0] == 0:
         raise ConfigError(field, 0, "has no examples")
-
-
-def take(data, begin: int, end: int):
-    """Examples begin..end-1 of `data`, of the same kind."""
-    from tfdp.steps import rows
-
-    if isinstance(data, Arrays):
-        return Arrays(data.images[begin:end], data.labels[begin:end])
-
-    def part(leaf):
-        if isinstance(leaf, tf.SparseTensor):
-            return rows(leaf, begin, min(end, length(leaf)) - begin)
-        return leaf[begin:end]
-
-    return tf.nest.map_structure(part, data)
-
-
-def gather_rows(leaf, indices):
-    """The rows `indices` of a dense, ragged or sparse tensor, in that order."""
-    if not isinstance(leaf, tf.SparseTensor):
-        return tf.gather(leaf, indices)
-    # a sparse tensor's entries in the rows asked for, their rows renumbered 0, 1, ...
-    indices = tf.cast(indices, tf.int64)
-    place = tf.scatter_nd(
-        indices[:, None], tf.range(tf.size(indices, tf.int64)) + 1, [leaf.dense_shape[0]]
-    ) - 1  # each row's place in `indices`, -1 for the rows not asked for
-    kept = tf.gather(place, leaf.indices[:, 0]) >= 0
-    entries = tf.boolean_mask(leaf.indices, kept)
-    rows = tf.gather(place, entries[:, 0])
-    selected = tf.SparseTensor(
-        tf.concat([rows[:, None], entries[:, 1:]], 1),
-        tf.boolean_mask(leaf.values, kept),
-        tf.concat([[tf.size(indices, tf.int64)], leaf.dense_shape[1:]], 0),
-    )
-    return tf.sparse.reorder(selected)
 
 
 def _to_tensors(data):
@@ -321,7 +260,7 @@ def _to_tensors(data):
         if isinstance(data, Arrays):
             return tf.convert_to_tensor(data.images), tf.convert_to_tensor(data.labels)
         return tf.nest.map_structure(
-            lambda leaf: leaf if is_composite(leaf) else tf.convert_to_tensor(leaf), data
+            lambda leaf: leaf if leaves.is_composite(leaf) else tf.convert_to_tensor(leaf), data
         )
 
 
@@ -345,14 +284,17 @@ def _as_they_are(*batch):
 
 def first_examples(data, count):
     """The first `count` examples as a model batch, on the host (for timing probes)."""
-    from tfdp.streams import EvalStream
-
     if is_stream(data):
         return data.first_examples(count)
     if isinstance(data, EvalStream):
         data = data.sample
     with tf.device("/cpu:0"):
-        tensors = _to_tensors(take(data, 0, count))
+        first = (
+            Arrays(data.images[:count], data.labels[:count])
+            if isinstance(data, Arrays)
+            else leaves.take(data, 0, count)
+        )
+        tensors = _to_tensors(first)
         return _model_inputs(data)(*tensors) if isinstance(tensors, tuple) else tensors
 
 
@@ -460,7 +402,7 @@ def gatherer(arrays):
     tensors, prepare = _to_tensors(arrays), _model_inputs(arrays)
 
     def gather(indices):
-        batch = tf.nest.map_structure(lambda t: gather_rows(t, indices), tensors)
+        batch = tf.nest.map_structure(lambda t: leaves.gather_rows(t, indices), tensors)
         return prepare(*batch) if isinstance(batch, tuple) else batch
 
     return gather
@@ -489,8 +431,6 @@ def eval_batches(arrays, batch_size, steps=None):
     Returns:
         The batches (x, y) or (x, y, sample_weight) covering every example once, in order.
     """
-    from tfdp.streams import EvalStream
-
     if batch_size < 1:
         raise ConfigError("batch_size", batch_size, "must be >= 1")
     if isinstance(arrays, EvalStream):

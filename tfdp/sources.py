@@ -80,6 +80,7 @@ def as_arrays(data, field: str, value=None, part: str | None = None):
     read the same batches).
     """
     from tfdp import data as data_lib
+    from tfdp import leaves
 
     if data is None or isinstance(data, data_lib.Arrays):
         return data
@@ -92,7 +93,7 @@ def as_arrays(data, field: str, value=None, part: str | None = None):
 
     data = tree.lists_to_tuples(data)  # as Keras reads it: tf.data takes a list for a tensor
     try:
-        arrays = tf.nest.map_structure(as_leaf, data)
+        arrays = tf.nest.map_structure(leaves.as_leaf, data)
     except (TypeError, ValueError) as error:
         raise ConfigError(field, value or type(data).__name__, f"is not arrays ({error})") from None
     try:
@@ -102,20 +103,6 @@ def as_arrays(data, field: str, value=None, part: str | None = None):
             raise
         raise ConfigError(field, value, f"{where}: {error.reason}") from None
     return arrays
-
-
-def as_leaf(leaf):
-    """One leaf of data as tfdp holds it: a numpy array, or a sparse or ragged tensor
-    (scipy's sparse matrices as tf.SparseTensor, as Keras takes them)."""
-    import tensorflow as tf
-
-    if isinstance(leaf, (tf.SparseTensor, tf.RaggedTensor)):
-        return leaf
-    if hasattr(leaf, "tocoo") and hasattr(leaf, "nnz"):  # a scipy sparse matrix
-        from keras.src.trainers.data_adapters import data_adapter_utils
-
-        return data_adapter_utils.scipy_sparse_to_tf_sparse(leaf)
-    return np.asarray(leaf)
 
 
 def _read_dataset(dataset, field, value, where):

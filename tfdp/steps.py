@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp import shards as shards_lib
+from tfdp.leaves import rows
 from tfdp.shards import add_gradients
 
 
@@ -161,7 +162,9 @@ class DeviceWork:
                 logs, gradients = part_logs, part_gradients
                 continue
             size = num_examples(part)
-            logs = tf.nest.map_structure(lambda new, old: tf.where(size > 0, new, old), part_logs, logs)
+            logs = tf.nest.map_structure(
+                lambda new, old: tf.where(size > 0, new, old), part_logs, logs
+            )
             gradients = [add_gradients(g, p) for g, p in zip(gradients, part_gradients)]
         seconds = tf.constant(0.0, tf.float64)
         if start is not None:
@@ -312,16 +315,6 @@ def split(batch, sizes, parts):
         starts = tf.concat([[0], tf.cumsum(sizes)[:-1]], 0)
         pieces = [[rows(leaf, starts[j], sizes[j]) for j in range(parts)] for leaf in leaves]
     return [tf.nest.pack_sequence_as(batch, [piece[j] for piece in pieces]) for j in range(parts)]
-
-
-def rows(leaf, begin, size):
-    """Rows begin..begin+size-1 of a dense, ragged or sparse tensor."""
-    if isinstance(leaf, tf.SparseTensor):
-        rank = leaf.shape.rank
-        start = tf.concat([tf.reshape(tf.cast(begin, tf.int64), [1]), tf.zeros([rank - 1], tf.int64)], 0)
-        extent = tf.concat([tf.reshape(tf.cast(size, tf.int64), [1]), leaf.dense_shape[1:]], 0)
-        return tf.sparse.slice(leaf, start, extent)
-    return leaf[begin : begin + size]
 
 
 def clip_before_all_reduce(optimizer, gradients):

@@ -24,6 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdp import leaves
 from tfdp.errors import ConfigError
 
 # tf.data's Python classes that make batches of the elements beneath them.
@@ -84,12 +85,10 @@ class Stream:
 
     def first_examples(self, count: int):
         """The first `count` examples (at most a batch), as a model batch on the host."""
-        from tfdp.data import take
-
         with tf.device("/cpu:0"):
             return tf.nest.map_structure(
                 lambda leaf: leaf if isinstance(leaf, tf.SparseTensor) else tf.constant(leaf),
-                take(self.sample, 0, count),
+                leaves.take(self.sample, 0, count),
             )
 
     def training_batches(self, start_step: int = 0, passes: int = 0) -> tf.data.Dataset:
@@ -121,8 +120,6 @@ def _packed(batch):
 
 def is_stream_input(x) -> bool:
     """Whether Keras `fit` would read `x` as a pipeline: a dataset, PyDataset or generator."""
-    import keras
-
     return isinstance(x, (tf.data.Dataset, keras.utils.PyDataset, types.GeneratorType))
 
 
@@ -134,8 +131,6 @@ def makes_own_batches(x) -> bool:
 
 def from_input(x, batch_size, drop_remainder=False, shuffle=True, seed=0, field="x") -> Stream:
     """The Stream of what Keras `fit` reads as a pipeline (see `is_stream_input`)."""
-    import keras
-
     if isinstance(x, tf.data.Dataset):
         return from_dataset(x, batch_size, drop_remainder, field)
     if isinstance(x, keras.utils.PyDataset):
@@ -176,17 +171,13 @@ def dataset_batching(dataset) -> tuple[bool, int | None, bool]:
 
 
 def _batch_size_of(first) -> int:
-    from tfdp.data import length
-
-    return length(tf.nest.flatten(first)[0])
+    return leaves.length(tf.nest.flatten(first)[0])
 
 
 def _as_leaves(batch):
     """A batch a generator or PyDataset made, as tfdp holds data: numpy arrays, sparse and
     ragged tensors (scipy's sparse matrices as tf.SparseTensor); lists become tuples."""
-    from tfdp.sources import as_leaf
-
-    return tf.nest.map_structure(as_leaf, tuple(batch) if isinstance(batch, list) else batch)
+    return tf.nest.map_structure(leaves.as_leaf, tuple(batch) if isinstance(batch, list) else batch)
 
 
 def _spec_of(leaf):
@@ -207,7 +198,9 @@ def _zeros(spec, batch_size: int):
         if isinstance(leaf, tf.SparseTensorSpec) and known:  # no entries
             rank = leaf.shape.rank
             return tf.SparseTensor(
-                tf.zeros([0, rank], tf.int64), tf.zeros([0], leaf.dtype), [batch_size, *leaf.shape[1:]]
+                tf.zeros([0, rank], tf.int64),
+                tf.zeros([0], leaf.dtype),
+                [batch_size, *leaf.shape[1:]],
             )
         if not isinstance(leaf, tf.TensorSpec) or not known:
             raise ConfigError(
@@ -280,8 +273,8 @@ def _own_batches(first, batch_size, source: str):
 
 def _described(batch) -> str:
     """A batch's structure, shapes and dtypes, e.g. (float32[32, 8], int64[32])."""
-    leaves = tf.nest.map_structure(lambda leaf: f"{leaf.dtype}{list(leaf.shape)}", batch)
-    return str(leaves).replace("'", "")
+    shapes = tf.nest.map_structure(lambda leaf: f"{leaf.dtype}{list(leaf.shape)}", batch)
+    return str(shapes).replace("'", "")
 
 
 def checked(numbered, first, batch_size: int):
@@ -290,8 +283,6 @@ def checked(numbered, first, batch_size: int):
     batch axis, at most `batch_size` examples, as many in every part. numbered: pairs
     (the batch's number in the source, the batch). A batch that differs is a ValueError
     naming it, raised before it is trained on."""
-    from tfdp.data import length
-
     expected = tf.nest.map_structure(lambda leaf: tuple(leaf.shape[1:]), first)
     for index, batch in numbered:
         batch = _as_leaves(batch)
@@ -304,7 +295,7 @@ def checked(numbered, first, batch_size: int):
             raise ValueError(
                 f"its batch {index} is {_described(batch)}, where its first was {_described(first)}"
             )
-        lengths = {length(leaf) for leaf in tf.nest.flatten(batch)}
+        lengths = {leaves.length(leaf) for leaf in tf.nest.flatten(batch)}
         if len(lengths) > 1 or max(lengths) > batch_size:
             raise ValueError(
                 f"its batch {index} is {_described(batch)}: "
@@ -397,8 +388,7 @@ def with_class_weight(x, class_weight):
         )
         if weights is not None:
             raise ValueError(
-                "its batches hold sample weights, and class_weight was given too; Keras "
-                "takes one"
+                "its batches hold sample weights, and class_weight was given too; Keras takes one"
             )
         y = np.asarray(y)
         return x_part, y, data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
@@ -471,8 +461,12 @@ def eval_stream(data, field: str = "validation_data") -> EvalStream:
             dataset = data if batched else data.batch(batch_size)
             return dataset.take(steps) if steps else dataset
 
-        spec = data.element_spec if batched else tf.nest.map_structure(
-            lambda leaf: tf.TensorSpec((None, *leaf.shape), leaf.dtype), data.element_spec
+        spec = (
+            data.element_spec
+            if batched
+            else tf.nest.map_structure(
+                lambda leaf: tf.TensorSpec((None, *leaf.shape), leaf.dtype), data.element_spec
+            )
         )
         sample = _zeros(spec, 2)
         endless = cardinality == tf.data.INFINITE_CARDINALITY

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from tfdp import bad_data
 from tfdp import data as data_lib
+from tfdp import leaves
 from tfdp.hooks.report import described
 from tfdp.loop import Hook
 
@@ -32,7 +33,7 @@ def evaluate(trainer, data, batch_size: int, callbacks=None, steps: int | None =
     batches = bad_data.reading(data_lib.eval_batches(data, batch_size, steps))
     for index, batch in enumerate(batches):
         if seen is not None:
-            seen.append(data_lib.length(tf.nest.flatten(batch)[0]))
+            seen.append(leaves.length(tf.nest.flatten(batch)[0]))
         if callbacks is not None:
             callbacks.on_test_batch_begin(index)
         logs = keras_logs(trainer.test_step(batch))

@@ -1,0 +1,93 @@
+"""The package's layout: its modules import one another downward, never in a circle.
+
+Every import of a tfdp module counts, at the top of a file or inside a function (a
+lazy import that closes a circle only hides it until the first call).
+"""
+
+import ast
+import pathlib
+
+import tfdp
+
+PACKAGE = pathlib.Path(tfdp.__file__).parent
+
+
+def module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(name: str, root: pathlib.Path) -> bool:
+    path = root.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def imports(root: pathlib.Path) -> dict[str, set[str]]:
+    """Each module of the package at `root` -> the package's modules it imports (a
+    package's __init__ counts for each module imported from inside it)."""
+    graph = {}
+    for path in sorted(root.rglob("*.py")):
+        name = module_name(path, root)
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    whole = f"{node.module}.{alias.name}"
+                    targets.add(whole if is_module(whole, root) else node.module)
+        inside = {t for t in targets if t == root.name or t.startswith(root.name + ".")}
+        with_parents = {
+            ".".join(t.split(".")[:i]) for t in inside for i in range(1, t.count(".") + 2)
+        }
+        graph[name] = {t for t in with_parents if t != name and not name.startswith(t + ".")}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_modules_import_one_another_without_a_circle():
+    graph = imports(PACKAGE)
+    assert len(graph) > 30 and "tfdp.streams" in graph["tfdp.data"]  # the graph is read
+    assert circles(graph) == []
+
+
+def test_a_circle_is_found(tmp_path):
+    """The check on a package made to hold one: a imports b at the top, b imports a in a
+    function; c imports a only."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg import b\n")
+    (package / "b.py").write_text("def f():\n    from pkg.a import thing\n")
+    (package / "c.py").write_text("import pkg.a\n")
+    assert circles(imports(package)) == [["pkg.a", "pkg.b"]]
