@@ -310,3 +310,29 @@ def test_the_words_are_tensorflows_own_from_a_graph_and_from_python(tmp_path):
     with pytest.raises(tf.errors.OpError) as raised:
         list(dataset)
     assert bad_data.described(raised.value) == "ValueError: row 3 has no label"
+
+
+def test_a_worker_names_the_checkpoint_it_saved_not_what_the_chief_has_written(tmp_path):
+    """A worker that is not the chief saves to scratch; the chief may still be writing
+    that save when the worker stops on bad data. The checkpoint its line names is the
+    one of its last save, whatever the directory holds yet."""
+    import types
+
+    import keras
+
+    from tfdp import Config
+    from tfdp.trainers.multiworker import WorkerCheckpointer
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    worker = types.SimpleNamespace(
+        model=model,
+        optimizer=keras.optimizers.SGD(),
+        is_chief=False,
+        workers=["worker:0", "worker:1"],
+        index=1,
+    )
+    checkpointer = WorkerCheckpointer(Config(model_dir=str(tmp_path)), worker)
+    assert checkpointer.standing is None
+    checkpointer.save(6)
+    assert tf.train.latest_checkpoint(checkpointer.directory) is None  # the chief's is not there
+    assert checkpointer.standing == str(tmp_path / "checkpoints" / "ckpt-6")

@@ -101,6 +101,7 @@ class Checkpointer:
         self.state = run_state()  # what the run's hooks keep over a restart
         self.checkpoint = self._checkpoint(run=self.state)
         self.restored_path = None  # the checkpoint `restore` read
+        self.saved_path = None  # the checkpoint this process's last `save` made
         self.input = None  # a stream's iterator, saved with each checkpoint (`keep_input`)
         self.restore_status = None  # of the restored checkpoint, if any
         self.log = print
@@ -267,7 +268,16 @@ class Checkpointer:
         if self.trainer.balanced:  # the split is not a variable of the step's math
             shares = {"step": step, "devices": self.trainer.devices, "shards": self.trainer.shards}
             write_atomically(self.shares_file, json.dumps(shares) + "\n")
+        self.saved_path = self.path(step)
         return path
+
+    @property
+    def standing(self) -> str | None:
+        """The checkpoint a rerun resumes from, as this process knows it: its last save,
+        else the one it restored (None: neither). Not read off the directory: in a
+        cluster the chief writes the files, and may still be writing the save that a
+        worker stopping now has made."""
+        return self.saved_path or self.restored_path
 
     def _is_storage_error(self, error: Exception) -> bool:
         """An OSError, or a TensorFlow error that names a file of the checkpoints

@@ -57,7 +57,7 @@ def input_failure(plan: Plan, run, error, checkpointer) -> str:
     """One line for a training stream that failed at a step (`bad_data.failure_line`);
     noted in model_dir, so that a rerun does not restore a position saved past it."""
     data = plan.train_data
-    latest = tf.train.latest_checkpoint(checkpointer.directory) if checkpointer else None
+    latest = checkpointer.standing if checkpointer else None
     line = bad_data.failure_line(
         f"the training data ({data.source})", error, run.step, data.dataset, latest
     )
@@ -68,7 +68,7 @@ def input_failure(plan: Plan, run, error, checkpointer) -> str:
 
 def validation_failure(data, run, error, checkpointer) -> str:
     """One line for validation data that failed to read in an evaluation."""
-    latest = tf.train.latest_checkpoint(checkpointer.directory) if checkpointer else None
+    latest = checkpointer.standing if checkpointer else None
     return bad_data.failure_line(
         f"the validation data ({getattr(data, 'source', 'arrays')})",
         error,

@@ -320,7 +320,8 @@ class WorkerCheckpointer(Checkpointer):
             tf.train.CheckpointManager(self.checkpoint, scratch, 1).save(step)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        return self.path(step)
+        self.saved_path = self.path(step)
+        return self.saved_path
 
 
 def build(config, shards, model, jit_compile=False) -> MultiWorkerTrainer:
