@@ -11,7 +11,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 def as_leaf(leaf):
     """One leaf of data as tfdp holds it: a numpy array, or a sparse or ragged tensor
     (scipy's sparse matrices as tf.SparseTensor, as Keras takes them)."""
-    if isinstance(leaf, (tf.SparseTensor, tf.RaggedTensor)):
+    if is_composite(leaf):
         return leaf
     if hasattr(leaf, "tocoo") and hasattr(leaf, "nnz"):  # a scipy sparse matrix
         return data_adapter_utils.scipy_sparse_to_tf_sparse(leaf)
