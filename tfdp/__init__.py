@@ -34,6 +34,7 @@ _LAZY = {
     "make_toy_data": "tfdp.data",
     "train_dataset": "tfdp.data",
     "MirroredTrainer": "tfdp.trainers.mirrored",
+    "MirroredStrategy": "tfdp.strategy",
     "WeightedTrainer": "tfdp.trainers.weighted",
 }
 

@@ -11,13 +11,12 @@ the whole batch's values.
 
 from __future__ import annotations
 
-import itertools
-
 import tensorflow as tf
 
 from tfdp import shards as shards_lib
 from tfdp.devices import even_split, split_batch
 from tfdp.replicas import Placement
+from tfdp.strategy import next_collective_key_base
 from tfdp.steps import (
     DeviceWork,
     clip_before_all_reduce,
@@ -27,9 +26,6 @@ from tfdp.steps import (
     with_metrics,
 )
 from tfdp.trainers.base import Trainer
-
-_strategies_made = itertools.count(1)
-
 
 def cross_device_ops_for(all_reduce: str, devices):
     """The cross-device ops for `all_reduce`; None lets MirroredStrategy choose.
@@ -53,7 +49,7 @@ def make_strategy(devices, all_reduce: str = "auto"):
     strategy its own range of group keys (the base TensorFlow reads when the
     strategy is built) keeps them apart.
     """
-    tf.distribute.MirroredStrategy._collective_key_base = 100_000 * next(_strategies_made)
+    tf.distribute.MirroredStrategy._collective_key_base = next_collective_key_base()
     return tf.distribute.MirroredStrategy(
         devices, cross_device_ops=cross_device_ops_for(all_reduce, devices)
     )

@@ -1,0 +1,403 @@
+"""tfdp.MirroredStrategy: under its scope, unchanged Keras code and TensorFlow's own custom
+loops give one device's results, with the replicas' shares of each batch uneven (1:3 on two
+logical CPUs).
+
+Each test runs the same code twice, on one device and under the strategy's scope, from the
+same initial weights, and compares: the weights (rtol 1e-5), History's epoch logs, the logs
+batch-level callbacks see, `evaluate`'s totals and `predict`'s rows in order.
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp
+
+DEVICES = ["/cpu:0", "/cpu:1"]
+FEATURES, CLASSES = 4, 3
+_strategies = {}
+
+
+def strategy(powers=(1, 3)):
+    """One strategy per shares in this process (each holds collective keys of its own)."""
+    if powers not in _strategies:
+        _strategies[powers] = tfdp.MirroredStrategy(DEVICES, powers=powers)
+    return _strategies[powers]
+
+
+def examples(n, seed=3):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    y = ((x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0).astype(np.int32)).astype(np.int32)
+    return x, y
+
+
+def functional():
+    inputs = keras.Input((FEATURES,))
+    hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.01))
+    return keras.Model(inputs, keras.layers.Dense(CLASSES)(hidden(inputs)))
+
+
+def sequential():
+    return keras.Sequential(
+        [keras.Input((FEATURES,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(CLASSES)]
+    )
+
+
+def unbuilt():
+    return keras.Sequential([keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(CLASSES)])
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(CLASSES)
+
+    def call(self, x, training=False):
+        return self.out(self.hidden(x))
+
+
+class OwnTrainStep(Subclassed):
+    """keras.io's `train_step` on `compute_loss`, with a loss of its own added."""
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def compiled(make, **compile_args):
+    keras.utils.set_random_seed(2)
+    model = make()
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.2, momentum=0.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        **compile_args,
+    )
+    return model
+
+
+class Batches(keras.callbacks.Callback):
+    """The logs each batch-level hook sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.logs = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.logs.append(dict(logs))
+
+
+class Sequence(keras.utils.PyDataset):
+    def __init__(self, x, y, size):
+        super().__init__()
+        self.x, self.y, self.size = x, y, size
+
+    def __len__(self):
+        return -(-len(self.x) // self.size)
+
+    def __getitem__(self, index):
+        window = slice(index * self.size, (index + 1) * self.size)
+        return self.x[window], self.y[window]
+
+
+def generator(x, y, size):
+    while True:
+        for start in range(0, len(x), size):
+            yield x[start : start + size], y[start : start + size]
+
+
+def fit_arguments(name):
+    """`fit`'s arguments for one form of data, made anew for each run (a generator is used up)."""
+    x, y = examples(193)  # batches of 64: the last one holds 1 row, and replica 0 none of it
+    vx, vy = examples(50, seed=4)
+    weights = np.linspace(0.5, 2.0, len(x)).astype(np.float32)
+    return {
+        "arrays": dict(x=x, y=y, batch_size=64, epochs=2, shuffle=False),
+        "arrays, validation, sample weights": dict(
+            x=x, y=y, batch_size=64, epochs=2, shuffle=False, sample_weight=weights,
+            validation_data=(vx, vy),
+        ),
+        "arrays, class weights, validation split": dict(
+            x=x, y=y, batch_size=32, epochs=2, shuffle=False, class_weight={0: 1.0, 1: 2.0, 2: 0.5},
+            validation_split=0.2,
+        ),
+        "tf.data": dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(48), epochs=2),
+        "tf.data, validation dataset": dict(
+            x=tf.data.Dataset.from_tensor_slices((x, y)).batch(48), epochs=2,
+            validation_data=tf.data.Dataset.from_tensor_slices((vx, vy)).batch(16),
+        ),
+        "PyDataset": dict(x=Sequence(x, y, 40), epochs=2, shuffle=False),
+        "generator": dict(x=generator(x, y, 40), steps_per_epoch=5, epochs=2),
+    }[name]
+
+
+DATA = [
+    "arrays",
+    "arrays, validation, sample weights",
+    "arrays, class weights, validation split",
+    "tf.data",
+    "tf.data, validation dataset",
+    "PyDataset",
+]
+MODELS = {"functional": functional, "sequential": sequential, "unbuilt": unbuilt,
+          "subclassed": Subclassed, "own train_step": OwnTrainStep}
+
+
+def run(make, arguments, scope=None):
+    """fit, evaluate and predict, on one device or in `scope`: what each gives."""
+    if scope is None:
+        model = make()
+    else:
+        with scope.scope():
+            model = make()
+    batches = Batches()
+    history = model.fit(**arguments, callbacks=[batches], verbose=0)
+    x, y = examples(101, seed=5)
+    return {
+        "weights": model.get_weights(),
+        "history": history.history,
+        "batches": batches.logs,
+        "evaluate": model.evaluate(x, y, batch_size=32, verbose=0, return_dict=True),
+        "predict": model.predict(x, batch_size=32, verbose=0),
+    }
+
+
+def assert_same_results(expected, got, rtol=1e-5, atol=1e-6):
+    for e, g in zip(expected["weights"], got["weights"]):
+        np.testing.assert_allclose(g, e, rtol=rtol, atol=atol)
+    assert got["history"].keys() == expected["history"].keys()
+    for key in expected["history"]:
+        np.testing.assert_allclose(got["history"][key], expected["history"][key], rtol=rtol, atol=atol,
+                                   err_msg=f"History {key}")
+    assert len(got["batches"]) == len(expected["batches"])
+    for e, g in zip(expected["batches"], got["batches"]):
+        assert g.keys() == e.keys()
+        for key in e:
+            np.testing.assert_allclose(g[key], e[key], rtol=rtol, atol=atol, err_msg=f"batch log {key}")
+    for key in expected["evaluate"]:
+        np.testing.assert_allclose(got["evaluate"][key], expected["evaluate"][key], rtol=rtol, atol=atol)
+    np.testing.assert_allclose(got["predict"], expected["predict"], rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("data", DATA)
+def test_model_fit_on_every_form_of_data_gives_one_devices_results(data):
+    make = lambda: compiled(functional)  # noqa: E731
+    assert_same_results(run(make, fit_arguments(data)), run(make, fit_arguments(data), strategy()))
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_every_kind_of_model_gives_one_devices_results(kind):
+    make = lambda: compiled(MODELS[kind])  # noqa: E731
+    arguments = lambda: fit_arguments("arrays, validation, sample weights")  # noqa: E731
+    assert_same_results(run(make, arguments()), run(make, arguments(), strategy()))
+
+
+def test_without_the_weighing_uneven_shares_would_not_be_one_device(monkeypatch):
+    """The check above can fail: the same cut with Keras' own 1/R weight is off."""
+    make = lambda: compiled(functional)  # noqa: E731
+    expected = run(make, fit_arguments("arrays"))
+    monkeypatch.setattr(tfdp.MirroredStrategy, "run", tf.distribute.MirroredStrategy.run)
+    got = run(make, fit_arguments("arrays"), strategy())
+    difference = max(np.abs(e - g).max() for e, g in zip(expected["weights"], got["weights"]))
+    assert difference > 1e-3
+
+
+def tensorflows_strategy():
+    """TensorFlow's MirroredStrategy, on collective keys of its own."""
+    from tfdp.strategy import next_collective_key_base
+
+    before = tf.distribute.MirroredStrategy._collective_key_base  # noqa: SLF001
+    tf.distribute.MirroredStrategy._collective_key_base = next_collective_key_base()  # noqa: SLF001
+    try:
+        return tf.distribute.MirroredStrategy(DEVICES)
+    finally:
+        tf.distribute.MirroredStrategy._collective_key_base = before  # noqa: SLF001
+
+
+def test_even_shares_are_tensorflows_mirrored_strategy():
+    """powers=None: TensorFlow's own strategy's results on a batch it splits evenly."""
+    make = lambda: compiled(functional)  # noqa: E731
+    x, y = examples(128)
+    arguments = lambda: dict(x=x, y=y, batch_size=64, epochs=2, shuffle=False)  # noqa: E731
+    reference = tensorflows_strategy()
+    expected = run(make, arguments(), reference)
+    even = strategy(powers=None)
+    assert even.shares == [0.5, 0.5]
+    assert_same_results(expected, run(make, arguments(), even))
+
+
+def test_shares_cut_each_batch_in_order():
+    """Replica i holds rows [b_i, b_i+1) of every batch, b from the shares: 17/83 of 100 for
+    powers [1, 5], as the tutorial's workload partition; a short batch by share too."""
+    uneven = tfdp.MirroredStrategy(DEVICES, powers=[1, 5])
+    rows = np.arange(230, dtype=np.int64)
+    dataset = uneven.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices(rows).batch(100))
+    pieces = [[p.numpy() for p in uneven.experimental_local_results(batch)] for batch in dataset]
+    assert [[len(p) for p in batch] for batch in pieces] == [[17, 83], [17, 83], [5, 25]]
+    np.testing.assert_array_equal(np.concatenate([np.concatenate(b) for b in pieces]), rows)
+
+
+def test_variable_length_batches_give_one_devices_results():
+    """padded_batch: every batch has a length of its own, and Keras' masking."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 12, size=90)
+    sequences = [rng.integers(1, 50, size=n) for n in lengths]
+    labels = (lengths > 6).astype(np.int32)
+
+    def data():
+        dataset = tf.data.Dataset.from_generator(
+            lambda: iter(zip(sequences, labels)),
+            output_signature=(tf.TensorSpec([None], tf.int64), tf.TensorSpec([], tf.int32)),
+        )
+        return dataset.padded_batch(16)
+
+    def make():
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential([
+            keras.layers.Embedding(50, 8, mask_zero=True),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(2),
+        ])
+        model.compile(keras.optimizers.SGD(0.5), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        return model
+
+    def results(scope):
+        if scope is None:
+            model = make()
+        else:
+            with scope.scope():
+                model = make()
+        history = model.fit(data(), epochs=2, verbose=0)
+        return model.get_weights(), history.history, model.evaluate(data(), verbose=0), model.predict(data(), verbose=0)
+
+    expected, got = results(None), results(strategy())
+    for e, g in zip(expected[0], got[0]):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+    for key in expected[1]:
+        np.testing.assert_allclose(got[1][key], expected[1][key], rtol=1e-5)
+    np.testing.assert_allclose(got[2], expected[2], rtol=1e-5)
+    np.testing.assert_allclose(got[3], expected[3], rtol=1e-5, atol=1e-6)
+
+
+def custom_loop(loss_kind, scope=None):
+    """TensorFlow's tutorial loop: distributed dataset, `strategy.run`, `strategy.reduce`."""
+    active = scope or tf.distribute.get_strategy()
+    x, y = examples(200)
+    global_batch = 64
+    with active.scope():
+        keras.utils.set_random_seed(2)
+        model = functional()
+        optimizer = keras.optimizers.SGD(0.2)
+        per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+        mean_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+    if scope is not None:
+        dataset = scope.experimental_distribute_dataset(dataset)
+
+    def step(inputs):
+        features, labels = inputs
+        with tf.GradientTape() as tape:
+            logits = model(features, training=True)
+            if loss_kind == "compute_average_loss":
+                loss = tf.nn.compute_average_loss(per_example(labels, logits), global_batch_size=global_batch)
+                loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+            else:  # a Keras loss that takes the mean over its batch
+                loss = mean_loss(labels, logits) + tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def train_step(inputs):
+        if scope is None:
+            return step(inputs)
+        losses = scope.run(step, args=(inputs,))
+        return scope.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+
+    for _ in range(2):
+        for batch in dataset:
+            train_step(batch)
+    return model.get_weights()
+
+
+@pytest.mark.parametrize("loss_kind", ["compute_average_loss", "keras mean loss"])
+def test_tensorflows_custom_loop_gives_the_same_loop_on_one_device(loss_kind):
+    expected = custom_loop(loss_kind)
+    got = custom_loop(loss_kind, strategy())
+    for e, g in zip(expected, got):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
+def batch_normalized(synchronized=False, frozen=False):
+    def make():
+        keras.utils.set_random_seed(2)
+        inputs = keras.Input((FEATURES,))
+        normalized = keras.layers.BatchNormalization(synchronized=synchronized, momentum=0.5)
+        normalized.trainable = not frozen
+        hidden = normalized(keras.layers.Dense(6)(inputs), training=False if frozen else None)
+        model = keras.Model(inputs, keras.layers.Dense(CLASSES)(hidden))
+        model.compile(keras.optimizers.SGD(0.2), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    return make
+
+
+@pytest.mark.parametrize("kind", ["synchronized", "frozen"])
+def test_batch_normalization_synchronized_or_frozen_is_one_device(kind):
+    make = batch_normalized(synchronized=kind == "synchronized", frozen=kind == "frozen")
+    arguments = lambda: fit_arguments("arrays")  # noqa: E731
+    assert_same_results(run(make, arguments()), run(make, arguments(), strategy()))
+
+
+def test_batch_normalization_moving_statistics_are_combined_by_share():
+    """Per-replica batch statistics (as TensorFlow's MirroredStrategy computes them); the moving
+    mean and variance move by the pieces' statistics weighed by share, the same on every replica."""
+    make = batch_normalized()
+    x, y = examples(64)
+    uneven = strategy()
+    with uneven.scope():
+        model = make()
+    model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    layer = next(l for l in model.layers if isinstance(l, keras.layers.BatchNormalization))
+    copies = [v.numpy() for v in uneven.experimental_local_results(layer.moving_mean.value)]
+    np.testing.assert_array_equal(copies[0], copies[1])
+    # recomputed: the Dense layer's outputs before the step, on each piece (16 and 48 rows)
+    plain = make()
+    hidden = plain.layers[1](x).numpy()
+    pieces = [hidden[:16], hidden[16:]]
+    shares = [16 / 64, 48 / 64]
+    mean = sum(s * p.mean(0) for s, p in zip(shares, pieces))
+    variance = sum(s * p.var(0) for s, p in zip(shares, pieces))
+    np.testing.assert_allclose(layer.moving_mean.numpy(), 0.5 * mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(layer.moving_variance.numpy(), 0.5 + 0.5 * variance, rtol=1e-5, atol=1e-6)
+    # the pieces' own statistics: the mean is the whole batch's, the variance is not
+    assert not np.allclose(variance, hidden.var(0), rtol=1e-3)
+
+
+def test_bad_arguments_name_themselves():
+    with pytest.raises(tfdp.ConfigError, match=r"powers.*one power per replica \(2\)"):
+        tfdp.MirroredStrategy(DEVICES, powers=[1, 2, 3])
+    with pytest.raises(tfdp.ConfigError, match=r"powers.*positive finite.*0"):
+        tfdp.MirroredStrategy(DEVICES, powers=[1, 0])
+    with pytest.raises(tfdp.ConfigError, match=r"reduce.*allreduce, device0"):
+        tfdp.MirroredStrategy(DEVICES, reduce="ring")
+
+
+def test_the_strategy_is_tensorflows():
+    assert isinstance(strategy(), tf.distribute.MirroredStrategy)
+    assert isinstance(strategy(), tf.distribute.Strategy)
+    assert strategy().num_replicas_in_sync == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert strategy().shares == [0.25, 0.75]

@@ -1,0 +1,366 @@
+"""tfdp.MirroredStrategy: TensorFlow's MirroredStrategy, with uneven shares of each global batch.
+
+    strategy = tfdp.MirroredStrategy(["gpu:0", "cpu:0"], powers=[5, 1])
+    with strategy.scope():
+        model = make_model()
+        model.compile(...)
+    model.fit(dataset, epochs=10)          # one device's update, 5/6 of each batch on the GPU
+
+It is a `tf.distribute.MirroredStrategy` (isinstance holds), so Keras' `fit`, `evaluate`
+and `predict` and TensorFlow's own custom loops (`experimental_distribute_dataset`,
+`strategy.run`, `strategy.reduce`) take it unchanged. Four things differ from TensorFlow's:
+
+1. **The cut.** `experimental_distribute_dataset` cuts each global batch of n rows into
+   one consecutive piece per replica, of round(n * cumulative share) rows, so replica i
+   holds rows [b_i, b_i+1) of every batch (a short batch, or a batch whose shape changes
+   from step to step, is cut by share too; a piece may be empty).
+2. **The weight.** `run` measures each replica's rows n_i and the batch's N (one scalar
+   all-reduce) and runs the replica's step with its losses weighed n_i/N where Keras weighs
+   them 1/R (`shards.piece`). The gradients the optimizer sums are then the whole batch's,
+   however uneven the pieces.
+3. **The logs.** A Keras step's logs are read from its metrics summed over the replicas
+   (the whole batch's values), where Keras would average the replicas' own.
+4. **Moving statistics.** A variable Keras updates by assignment in each replica
+   (BatchNormalization's moving mean and variance, aggregation "none") gets the replicas'
+   values combined by share, the same on every replica, where TensorFlow keeps each
+   replica's own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import tensorflow as tf
+from tensorflow.python.distribute import values_util
+
+from tfdp import shards
+from tfdp.errors import ConfigError
+
+REDUCES = ("allreduce", "device0")
+_key_bases = itertools.count(1)
+_local = threading.local()  # the replica step being traced in this thread
+
+
+def next_collective_key_base() -> int:
+    """A range of collective keys of its own for each strategy made in this process.
+
+    Every MirroredStrategy numbers its collective groups from the same start, so two
+    strategies in one process collide ("Shape mismatch in the collective instance 100",
+    or "joining a group with size 4, but that group has size 2"), after which every
+    collective of the process is aborted. TensorFlow reads the base from the strategy
+    (`_collective_key_base`) when it builds the strategy's collective ops.
+    """
+    return 100_000 * next(_key_bases)
+
+
+class MirroredStrategy(tf.distribute.MirroredStrategy):
+    """Synchronous replicas on one machine, each taking its share of every global batch.
+
+    Args:
+      devices: as TensorFlow's: device names, or None for every local GPU (else the CPU).
+      powers: one relative speed per device (`[5, 1]`); None for even shares, the results
+        of TensorFlow's MirroredStrategy on those devices where it is exact.
+      reduce: "allreduce" (TensorFlow's choice of all-reduce) or "device0" (the MXNet
+        tutorial's: the gradients summed on device 0 and sent back from there).
+      cross_device_ops: as TensorFlow's (with reduce="allreduce" only).
+    """
+
+    def __init__(self, devices=None, powers=None, *, reduce="allreduce", cross_device_ops=None):
+        if reduce not in REDUCES:
+            raise ConfigError("reduce", reduce, f"must be one of {', '.join(REDUCES)}")
+        if reduce == "device0":
+            if cross_device_ops is not None:
+                raise ConfigError(
+                    "cross_device_ops", cross_device_ops, "is set by reduce='device0'; give one"
+                )
+            first = _device_names(devices)[0] if devices else None
+            cross_device_ops = tf.distribute.ReductionToOneDevice(reduce_to_device=first)
+        self._collective_key_base = next_collective_key_base()
+        super().__init__(devices, cross_device_ops=cross_device_ops)
+        self.reduce_to = reduce
+        count = self.num_replicas_in_sync
+        self.powers = _checked_powers(powers, count)
+        with tf.init_scope(), tf.device("/cpu:0"):
+            self._shares = tf.Variable(
+                _shares(self.powers), trainable=False, dtype=tf.float64, name="tfdp_shares"
+            )
+        shards.install()
+        _install_assign_by_share()
+
+    # -- the shares -------------------------------------------------------------------
+
+    @property
+    def shares(self) -> list[float]:
+        """Each replica's fraction of a global batch, in replica order."""
+        return [float(s) for s in self._shares.numpy()]
+
+    def set_powers(self, powers) -> None:
+        """New relative speeds; batches cut from now on take the new shares (a few batches
+        may already be cut, and are weighed by the rows they hold, so the update stays exact)."""
+        self.powers = _checked_powers(powers, self.num_replicas_in_sync)
+        self._shares.assign(_shares(self.powers))
+
+    def piece_bounds(self, rows):
+        """Where a batch of `rows` rows is cut: R+1 increasing row indices from 0 to rows."""
+        rows = tf.cast(rows, tf.int64)
+        ends = tf.cast(tf.floor(tf.cast(rows, tf.float64) * tf.cumsum(self._shares) + 0.5), tf.int64)
+        ends = tf.minimum(ends, rows)
+        ends = tf.concat([ends[:-1], [rows]], 0)
+        return tf.concat([[tf.constant(0, tf.int64)], ends], 0)
+
+    # -- data ---------------------------------------------------------------------------
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """The dataset's batches, each cut into one piece per replica by share."""
+        count = self.num_replicas_in_sync
+        structure = dataset.element_spec
+        if not any(_has_rows(spec) for spec in tf.nest.flatten(structure)):
+            raise ConfigError(
+                "dataset", structure, "has no batch axis: batch it first (dataset.batch(n))"
+            )
+
+        def cut(*element):
+            batch = element[0] if len(element) == 1 else element
+            bounds = self.piece_bounds(rows_of(batch))
+
+            def piece(index):
+                start, stop = bounds[index], bounds[index + 1]
+                return tf.nest.map_structure(lambda leaf: _rows(leaf, start, stop), batch)
+
+            return tf.data.Dataset.range(count).map(piece)
+
+        pieces = dataset.flat_map(cut)
+        input_options = tf.distribute.InputOptions(
+            experimental_replication_mode=tf.distribute.InputReplicationMode.PER_WORKER,
+            experimental_fetch_to_device=(
+                True if options is None else options.experimental_fetch_to_device
+            ),
+            experimental_per_replica_buffer_size=(
+                1 if options is None else options.experimental_per_replica_buffer_size
+            ),
+        )
+        return self.distribute_datasets_from_function(lambda _: pieces, input_options)
+
+    # -- the step -----------------------------------------------------------------------
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """`fn` in every replica, its losses weighed by the replica's share of the batch."""
+        from tensorflow.python.autograph.core import ag_ctx
+        from tensorflow.python.autograph.impl import api as autograph
+
+        model = _trainer_of(fn)
+        fn = autograph.tf_convert(fn, ag_ctx.control_status_ctx(), convert_by_default=False)
+
+        @tf.autograph.experimental.do_not_convert
+        def weighed(*replica_args, **replica_kwargs):
+            rows = rows_of((replica_args, replica_kwargs))
+            if rows is None:  # nothing to weigh by: Keras' own 1/R
+                return fn(*replica_args, **replica_kwargs)
+            context = tf.distribute.get_replica_context()
+            rows = tf.cast(rows, tf.float32)
+            total = context.all_reduce(tf.distribute.ReduceOp.SUM, rows)
+            fraction = tf.math.divide_no_nan(rows, total)
+            _local.fraction = fraction
+            try:
+                with shards.piece(fraction):
+                    outputs = fn(*replica_args, **replica_kwargs)
+                if model is not None and isinstance(outputs, dict):
+                    outputs = whole_batch_logs(model, outputs, fraction, context)
+            finally:
+                _local.fraction = None
+            return outputs
+
+        return super().run(weighed, args=args, kwargs=kwargs or {}, options=options)
+
+    def reduce(self, reduce_op, value, axis=None):
+        """TensorFlow's reduce, but for pieces of a batch whose shapes differ: reduced with
+        axis=None, they are put back together (Keras builds a model from the first batch
+        this way, which TensorFlow cannot do for unequal pieces)."""
+        if axis is None and tf.executing_eagerly() and _unequal_pieces(self, value):
+            return tf.nest.map_structure(
+                lambda v: _concat(self.experimental_local_results(v)), value
+            )
+        return super().reduce(reduce_op, value, axis)
+
+
+def whole_batch_logs(model, logs, fraction, context):
+    """A Keras step's logs as the whole batch gives them: every value that is one of the
+    model's metrics read from its variables summed over the replicas; any other float
+    value the replicas' values weighed by share."""
+    metrics = model.metrics
+    variables, seen = [], set()
+    for metric in metrics:
+        for variable in metric.variables:
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                variables.append(variable)
+    whole = {}
+    if variables:
+        values = [tf.convert_to_tensor(v.value) for v in variables]
+        summable = [i for i, v in enumerate(variables) if v.aggregation in ("sum", "mean")]
+        reduced = context.all_reduce(
+            tf.distribute.ReduceOp.SUM, [_as_float(values[i]) for i in summable]
+        )
+        count = float(context.num_replicas_in_sync)
+        for i, value in zip(summable, reduced):
+            if variables[i].aggregation == "mean":
+                value = value / count
+            values[i] = tf.cast(value, values[i].dtype)
+        from keras.src.backend.common.stateless_scope import StatelessScope
+
+        with StatelessScope(state_mapping=list(zip(variables, values))):
+            for metric in metrics:
+                result = metric.result()
+                if isinstance(result, dict):
+                    whole.update(result)
+                else:
+                    whole[metric.name] = result
+    weighed = {}
+    for name, value in logs.items():
+        if name in whole and _same_shape(whole[name], value):
+            weighed[name] = tf.cast(whole[name], tf.convert_to_tensor(value).dtype)
+        elif tf.is_tensor(value) and value.dtype.is_floating:
+            share = tf.cast(fraction, value.dtype)
+            weighed[name] = context.all_reduce(tf.distribute.ReduceOp.SUM, value * share)
+        else:
+            weighed[name] = value
+    return weighed
+
+
+# -- moving statistics, combined by share ------------------------------------------------
+
+_assign_installed = {}
+
+
+def _install_assign_by_share() -> None:
+    """Inside a weighted replica step of tfdp's strategy, an assignment to a mirrored,
+    non-trainable float variable with aggregation NONE (BatchNormalization's moving
+    statistics) assigns the replicas' values combined by share, on every replica."""
+    if _assign_installed:
+        return
+    tensorflow_assign = values_util.on_write_assign
+
+    def on_write_assign(var, value, use_locking=False, name=None, read_value=True):
+        fraction = getattr(_local, "fraction", None)
+        if fraction is not None and _combined_by_share(var):
+            context = tf.distribute.get_replica_context()
+            value = tf.convert_to_tensor(value, var.dtype)
+            share = tf.cast(fraction, value.dtype)
+            mine = tf.where(share > 0, value * share, tf.zeros_like(value))
+            value = context.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+        return tensorflow_assign(var, value, use_locking=use_locking, name=name,
+                                 read_value=read_value)
+
+    values_util.on_write_assign = on_write_assign
+    _assign_installed["assign"] = tensorflow_assign
+
+
+def _combined_by_share(var) -> bool:
+    context = tf.distribute.get_replica_context()
+    return (
+        context is not None
+        and isinstance(context.strategy, MirroredStrategy)
+        and context.num_replicas_in_sync > 1
+        and var.aggregation == tf.VariableAggregation.NONE
+        and not var.trainable
+        and var.dtype.is_floating
+    )
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _checked_powers(powers, count):
+    if powers is None:
+        return [1.0] * count
+    if isinstance(powers, str):
+        raise ConfigError("powers", powers, "must be a sequence of numbers (e.g. [1, 3]) or None")
+    powers = list(powers)
+    if len(powers) != count:
+        raise ConfigError("powers", powers, f"needs one power per replica ({count}), got {len(powers)}")
+    for p in powers:
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not p > 0 or p == float("inf"):
+            raise ConfigError("powers", powers, f"every power must be a positive finite number, got {p!r}")
+    return [float(p) for p in powers]
+
+
+def _shares(powers):
+    total = sum(powers)
+    return [p / total for p in powers]
+
+
+def _device_names(devices):
+    return [d if isinstance(d, str) else d.name for d in devices]
+
+
+def _has_rows(spec) -> bool:
+    shape = getattr(spec, "shape", None)
+    return shape is not None and shape.rank is not None and shape.rank >= 1
+
+
+def rows_of(structure):
+    """Rows of the first leaf of `structure` that has a batch axis (a tensor), else None."""
+    for leaf in tf.nest.flatten(structure, expand_composites=False):
+        if isinstance(leaf, tf.RaggedTensor):
+            return leaf.nrows(out_type=tf.int64)
+        if isinstance(leaf, tf.SparseTensor):
+            return leaf.dense_shape[0]
+        if tf.is_tensor(leaf) and leaf.shape.rank is not None and leaf.shape.rank >= 1:
+            return tf.shape(leaf, out_type=tf.int64)[0]
+    return None
+
+
+def _rows(leaf, start, stop):
+    """Rows [start, stop) of one leaf of a batch; a leaf without a batch axis whole."""
+    if isinstance(leaf, tf.SparseTensor):
+        shape = leaf.dense_shape
+        begin = tf.concat([[start], tf.zeros_like(shape[1:])], 0)
+        size = tf.concat([[stop - start], shape[1:]], 0)
+        return tf.sparse.slice(leaf, begin, size)
+    if isinstance(leaf, tf.RaggedTensor):
+        return leaf[start:stop]
+    if tf.is_tensor(leaf) and leaf.shape.rank is not None and leaf.shape.rank >= 1:
+        return leaf[start:stop]
+    return leaf
+
+
+def _trainer_of(fn):
+    """The Keras model whose own step `fn` is (Keras passes `model.train_step`), else None."""
+    owner = getattr(fn, "__self__", None)
+    from keras.src.trainers.trainer import Trainer
+
+    name = getattr(fn, "__name__", "")
+    if isinstance(owner, Trainer) and name in ("train_step", "test_step"):
+        return owner
+    return None
+
+
+def _as_float(value):
+    return value if value.dtype.is_floating else tf.cast(value, tf.float64)
+
+
+def _same_shape(a, b) -> bool:
+    try:
+        return tf.convert_to_tensor(a).shape == tf.convert_to_tensor(b).shape
+    except (TypeError, ValueError):
+        return False
+
+
+def _unequal_pieces(strategy, value) -> bool:
+    for leaf in tf.nest.flatten(value):
+        if not isinstance(leaf, tf.distribute.DistributedValues):
+            return False
+        locals_ = strategy.experimental_local_results(leaf)
+        if len({tuple(getattr(v, "shape", ())) for v in locals_}) > 1:
+            return True
+    return False
+
+
+def _concat(pieces):
+    pieces = list(pieces)
+    if isinstance(pieces[0], tf.SparseTensor):
+        return tf.sparse.concat(0, pieces)
+    with tf.device(pieces[0].device if hasattr(pieces[0], "device") else None):
+        return tf.concat(pieces, 0)
+
