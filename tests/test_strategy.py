@@ -401,3 +401,43 @@ def test_the_strategy_is_tensorflows():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert strategy().shares == [0.25, 0.75]
+
+
+def test_steps_per_execution_and_jit_compile_give_one_devices_results():
+    """Keras' multi-step loop fails inside TensorFlow's MirroredStrategy (keras-team/keras#19246)
+    and one XLA program cannot span two CPU devices: under tfdp's both train, as one device."""
+    arguments = lambda: fit_arguments("arrays, validation, sample weights")  # noqa: E731
+    make = lambda: compiled(functional, steps_per_execution=3, jit_compile=True)  # noqa: E731
+    expected = run(make, arguments())
+    with pytest.warns(UserWarning, match="runs without XLA"):
+        got = run(make, arguments(), strategy())
+    # Keras calls the batch hooks once per execution of 3 steps, on one device as here
+    assert len(got["batches"]) == len(expected["batches"]) == 2 * 2
+    assert_same_results(expected, got)
+
+
+def test_auto_powers_move_work_off_a_slow_replica_and_stay_exact():
+    """powers="auto": the shares start even, are measured on the model's own step (replica 1
+    made 4x slower) and move toward equal finishing times (0.8 / 0.2 here); the batches
+    cut before and after the change all make one device's update."""
+    auto = tfdp.MirroredStrategy(DEVICES, powers="auto", measure_steps=2, simulate_slowdown={1: 4})
+    assert auto.shares == [0.5, 0.5]
+
+    def make():
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(512, activation="tanh"),
+                                  keras.layers.Dense(512, activation="tanh"), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+        return model
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(512 * 6, 64)).astype(np.float32), rng.normal(size=(512 * 6, 1)).astype(np.float32)
+    expected = make()
+    expected.fit(x, y, batch_size=512, epochs=1, shuffle=False, verbose=0)
+    with auto.scope():
+        model = make()
+    model.fit(x, y, batch_size=512, epochs=1, shuffle=False, verbose=0)
+    assert 0.6 < auto.shares[0] < 0.97, auto.shares
+    assert auto.measured_speeds[0] > auto.measured_speeds[1] > 0
+    for e, g in zip(expected.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)

@@ -28,8 +28,13 @@ and `predict` and TensorFlow's own custom loops (`experimental_distribute_datase
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
+import time
+import warnings
+
+import numpy as np
 
 import tensorflow as tf
 from tensorflow.python.distribute import values_util
@@ -64,9 +69,31 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
       reduce: "allreduce" (TensorFlow's choice of all-reduce) or "device0" (the MXNet
         tutorial's: the gradients summed on device 0 and sent back from there).
       cross_device_ops: as TensorFlow's (with reduce="allreduce" only).
+      rebalance_every: with powers="auto", measure again over every K steps and take the
+        measured shares (None: once, over the first `measure_steps` steps).
+      measure_steps: with powers="auto", the steps of the first measurement (the step that
+        starts a run is left out: it sets up kernels).
+      simulate_slowdown: {replica index: factor}, to try the balancing without unequal
+        devices: that replica's step waits (factor - 1) times its own time before its
+        gradients leave (a sleep, which holds no core). Never on by default.
+
+    With powers="auto" the shares start even and are measured on the model's own step, in
+    the step itself: each replica's seconds from its piece's arrival to its gradients'
+    readiness, over its rows. The measured shares are those speeds; the batches cut after
+    a change take them, and every step stays exact whatever its pieces hold.
     """
 
-    def __init__(self, devices=None, powers=None, *, reduce="allreduce", cross_device_ops=None):
+    def __init__(
+        self,
+        devices=None,
+        powers=None,
+        *,
+        reduce="allreduce",
+        cross_device_ops=None,
+        rebalance_every=None,
+        measure_steps=5,
+        simulate_slowdown=None,
+    ):
         if reduce not in REDUCES:
             raise ConfigError("reduce", reduce, f"must be one of {', '.join(REDUCES)}")
         if reduce == "device0":
@@ -80,13 +107,22 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
         super().__init__(devices, cross_device_ops=cross_device_ops)
         self.reduce_to = reduce
         count = self.num_replicas_in_sync
-        self.powers = _checked_powers(powers, count)
+        self.auto = isinstance(powers, str) and powers == "auto"
+        self.powers = [1.0] * count if self.auto else _checked_powers(powers, count)
+        self.rebalance_every = _checked_steps("rebalance_every", rebalance_every, allow_none=True)
+        self.measure_steps = _checked_steps("measure_steps", measure_steps)
+        self.slowdown = _checked_slowdown(simulate_slowdown, count)
         with tf.init_scope(), tf.device("/cpu:0"):
             self._shares = tf.Variable(
                 _shares(self.powers), trainable=False, dtype=tf.float64, name="tfdp_shares"
             )
+            self._timed_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdp_timed_steps")
+            self._window_rows = tf.Variable(tf.zeros([count], tf.float64), trainable=False)
+            self._window_seconds = tf.Variable(tf.zeros([count], tf.float64), trainable=False)
+            self._measured = tf.Variable(tf.zeros([count], tf.float64), trainable=False)
         shards.install()
         _install_assign_by_share()
+        _install_keras_functions()
 
     # -- the shares -------------------------------------------------------------------
 
@@ -94,6 +130,12 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
     def shares(self) -> list[float]:
         """Each replica's fraction of a global batch, in replica order."""
         return [float(s) for s in self._shares.numpy()]
+
+    @property
+    def measured_speeds(self) -> list[float]:
+        """Examples per second of each replica's step in the last measurement (powers="auto";
+        zeros before the first)."""
+        return [float(s) for s in self._measured.numpy()]
 
     def set_powers(self, powers) -> None:
         """New relative speeds; batches cut from now on take the new shares (a few batches
@@ -108,6 +150,25 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
         ends = tf.minimum(ends, rows)
         ends = tf.concat([ends[:-1], [rows]], 0)
         return tf.concat([[tf.constant(0, tf.int64)], ends], 0)
+
+    def _account(self, rows, seconds):
+        """One timed step's rows and seconds per replica, into the measurement window;
+        at the window's end the shares become the measured speeds (in the step's graph)."""
+        step = self._timed_steps.assign_add(1)
+        counting = step > 1  # the first step sets up kernels
+        window_rows = self._window_rows.assign_add(tf.where(counting, rows, 0.0))
+        window_seconds = self._window_seconds.assign_add(tf.where(counting, seconds, 0.0))
+        first = self.measure_steps
+        due = tf.equal(step, first + 1)
+        if self.rebalance_every:
+            later = tf.logical_and(step > first + 1, tf.equal((step - first - 1) % self.rebalance_every, 0))
+            due = tf.logical_or(due, later)
+        speeds = tf.math.divide_no_nan(window_rows, window_seconds)
+        valid = tf.logical_and(due, tf.reduce_all(speeds > 0))
+        self._measured.assign(tf.where(valid, speeds, self._measured))
+        self._shares.assign(tf.where(valid, speeds / tf.reduce_sum(speeds), self._shares))
+        self._window_rows.assign(tf.where(due, tf.zeros_like(rows), window_rows))
+        self._window_seconds.assign(tf.where(due, tf.zeros_like(seconds), window_seconds))
 
     # -- data ---------------------------------------------------------------------------
 
@@ -144,6 +205,12 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
 
     # -- the step -----------------------------------------------------------------------
 
+    @property
+    def compiles_with_xla(self) -> bool:
+        """Whether a model's `jit_compile=True` is kept: XLA compiles the whole step over the
+        replicas only where every replica is a GPU, as in TensorFlow's MirroredStrategy."""
+        return all("GPU" in d.upper() for d in self.extended.worker_devices)
+
     def run(self, fn, args=(), kwargs=None, options=None):
         """`fn` in every replica, its losses weighed by the replica's share of the batch."""
         from tensorflow.python.autograph.core import ag_ctx
@@ -152,23 +219,35 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
         model = _trainer_of(fn)
         fn = autograph.tf_convert(fn, ag_ctx.control_status_ctx(), convert_by_default=False)
 
+        timed = self.auto or bool(self.slowdown)
+
         @tf.autograph.experimental.do_not_convert
         def weighed(*replica_args, **replica_kwargs):
             rows = rows_of((replica_args, replica_kwargs))
             if rows is None:  # nothing to weigh by: Keras' own 1/R
                 return fn(*replica_args, **replica_kwargs)
             context = tf.distribute.get_replica_context()
+            all_reduce = context.all_reduce  # tfdp's own reductions are never timed
             rows = tf.cast(rows, tf.float32)
-            total = context.all_reduce(tf.distribute.ReduceOp.SUM, rows)
+            total = all_reduce(tf.distribute.ReduceOp.SUM, rows)
             fraction = tf.math.divide_no_nan(rows, total)
-            _local.fraction = fraction
+            clock = None
+            if timed:  # from the moment every piece is in (the sum of rows) ...
+                clock = _Clock(self, context, rows, after=total)
+                with tf.control_dependencies([clock.start]):  # ... the step starts after the clock
+                    replica_args, replica_kwargs = tf.nest.map_structure(
+                        tf.identity, (replica_args, replica_kwargs), expand_composites=True
+                    )
+            _local.fraction, _local.all_reduce = fraction, all_reduce
             try:
-                with shards.piece(fraction):
+                with shards.piece(fraction), (clock or _nothing()):
                     outputs = fn(*replica_args, **replica_kwargs)
+                if clock is not None:
+                    clock.record(all_reduce)
                 if model is not None and isinstance(outputs, dict):
-                    outputs = whole_batch_logs(model, outputs, fraction, context)
+                    outputs = whole_batch_logs(model, outputs, fraction, context, all_reduce)
             finally:
-                _local.fraction = None
+                _local.fraction = _local.all_reduce = None
             return outputs
 
         return super().run(weighed, args=args, kwargs=kwargs or {}, options=options)
@@ -184,10 +263,11 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
         return super().reduce(reduce_op, value, axis)
 
 
-def whole_batch_logs(model, logs, fraction, context):
+def whole_batch_logs(model, logs, fraction, context, all_reduce=None):
     """A Keras step's logs as the whole batch gives them: every value that is one of the
     model's metrics read from its variables summed over the replicas; any other float
     value the replicas' values weighed by share."""
+    all_reduce = all_reduce or context.all_reduce
     metrics = model.metrics
     variables, seen = [], set()
     for metric in metrics:
@@ -199,9 +279,7 @@ def whole_batch_logs(model, logs, fraction, context):
     if variables:
         values = [tf.convert_to_tensor(v.value) for v in variables]
         summable = [i for i, v in enumerate(variables) if v.aggregation in ("sum", "mean")]
-        reduced = context.all_reduce(
-            tf.distribute.ReduceOp.SUM, [_as_float(values[i]) for i in summable]
-        )
+        reduced = all_reduce(tf.distribute.ReduceOp.SUM, [_as_float(values[i]) for i in summable])
         count = float(context.num_replicas_in_sync)
         for i, value in zip(summable, reduced):
             if variables[i].aggregation == "mean":
@@ -222,10 +300,140 @@ def whole_batch_logs(model, logs, fraction, context):
             weighed[name] = tf.cast(whole[name], tf.convert_to_tensor(value).dtype)
         elif tf.is_tensor(value) and value.dtype.is_floating:
             share = tf.cast(fraction, value.dtype)
-            weighed[name] = context.all_reduce(tf.distribute.ReduceOp.SUM, value * share)
+            weighed[name] = all_reduce(tf.distribute.ReduceOp.SUM, value * share)
         else:
             weighed[name] = value
     return weighed
+
+
+class _Clock:
+    """Times one replica's step on the step's own ops: from the moment every replica holds
+    its piece to the moment its gradients are handed to the all-reduce (the last sum the step asks for),
+    with the simulated slowdown added there. `record` publishes the replicas' speeds and,
+    when a measurement window ends, sets the shares to them."""
+
+    def __init__(self, strategy, context, rows, after):
+        self.strategy, self.context, self.rows = strategy, context, rows
+        self.replica = int(tf.get_static_value(context.replica_id_in_sync_group))
+        with tf.control_dependencies([after]):
+            self.start = tf.timestamp()
+        self.end = None
+
+    def __enter__(self):
+        keras_all_reduce = self.context.all_reduce
+
+        def all_reduce(reduce_op, value, options=None):
+            if reduce_op == tf.distribute.ReduceOp.SUM or reduce_op == "SUM":
+                value = self.gradients_ready(value)
+            return keras_all_reduce(reduce_op, value, options)
+
+        self.context.all_reduce = all_reduce
+        return self
+
+    def __exit__(self, *exc):
+        del self.context.all_reduce
+
+    def gradients_ready(self, value):
+        leaves = [v for v in tf.nest.flatten(value, expand_composites=True) if tf.is_tensor(v)]
+        with tf.control_dependencies(leaves):
+            end = tf.timestamp()
+        factor = self.strategy.slowdown.get(self.replica)
+        if factor:
+            end = tf.numpy_function(
+                _sleep_then_clock, [end, (end - self.start) * (factor - 1.0)], tf.float64
+            )
+        self.end = end
+        with tf.control_dependencies([end]):
+            return tf.nest.map_structure(tf.identity, value, expand_composites=True)
+
+    def record(self, all_reduce):
+        if self.end is None or not self.strategy.auto:  # no gradients (an evaluation step)
+            return
+        count = self.strategy.num_replicas_in_sync
+        mine = tf.one_hot(self.replica, count, dtype=tf.float64)
+        seconds = tf.maximum(self.end - self.start, 1e-9)
+        both = all_reduce(
+            tf.distribute.ReduceOp.SUM,
+            tf.concat([mine * tf.cast(self.rows, tf.float64), mine * seconds], 0),
+        )
+        if self.replica == 0:  # one replica keeps the books
+            self.strategy._account(both[:count], both[count:])  # noqa: SLF001
+
+
+# -- Keras' step functions under this strategy -------------------------------------------
+
+_keras_installed = {}
+
+
+def _install_keras_functions() -> None:
+    """Keras' train, test and predict functions, for a model under tfdp's strategy, run
+    `steps_per_execution` steps as that many calls of a one-step function (Keras' own
+    multi-step loop fails inside tf.distribute on this TensorFlow: keras-team/keras#19246),
+    and without XLA where the replicas are not all GPUs (one XLA program cannot span
+    several CPU devices), saying so once."""
+    if _keras_installed:
+        return
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    keras_make = TensorFlowTrainer._make_function  # noqa: SLF001
+    keras_make_predict = TensorFlowTrainer.make_predict_function
+
+    def _make_function(self, step_function):
+        strategy = self.distribute_strategy
+        if not isinstance(strategy, MirroredStrategy):
+            return keras_make(self, step_function)
+        with _without_xla(self, strategy):
+            one_step = keras_make(self, step_function)
+        return _step_by_step(self, one_step)
+
+    def make_predict_function(self, force=False):
+        strategy = self.distribute_strategy
+        if not isinstance(strategy, MirroredStrategy):
+            return keras_make_predict(self, force)
+        with _without_xla(self, strategy):
+            return keras_make_predict(self, force)
+
+    TensorFlowTrainer._make_function = _make_function  # noqa: SLF001
+    TensorFlowTrainer.make_predict_function = make_predict_function
+    _keras_installed.update(make=keras_make, make_predict=keras_make_predict)
+
+
+@contextlib.contextmanager
+def _without_xla(model, strategy):
+    if model.run_eagerly or not model.jit_compile or strategy.compiles_with_xla:
+        yield
+        return
+    warnings.warn(
+        f"tfdp.MirroredStrategy: {model.name} runs without XLA (jit_compile=True is set): "
+        f"one XLA program cannot span the devices {', '.join(strategy.extended.worker_devices)}",
+        stacklevel=4,
+    )
+    model._jit_compile = False  # noqa: SLF001 (read while Keras builds the function)
+    try:
+        yield
+    finally:
+        model._jit_compile = True  # noqa: SLF001
+
+
+def _step_by_step(model, one_step):
+    """Keras' function of `steps_per_execution` steps, as that many one-step calls."""
+
+    def function(iterator):
+        steps = model.steps_per_execution
+        outputs = None
+        for _ in range(steps):
+            model.steps_per_execution = 1  # read when Keras' function traces
+            try:
+                outputs = one_step(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                if outputs is None:
+                    raise
+                break
+            finally:
+                model.steps_per_execution = steps
+        return outputs
+
+    return function
 
 
 # -- moving statistics, combined by share ------------------------------------------------
@@ -248,7 +456,9 @@ def _install_assign_by_share() -> None:
             value = tf.convert_to_tensor(value, var.dtype)
             share = tf.cast(fraction, value.dtype)
             mine = tf.where(share > 0, value * share, tf.zeros_like(value))
-            value = context.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+            value = (getattr(_local, "all_reduce", None) or context.all_reduce)(
+                tf.distribute.ReduceOp.SUM, mine
+            )
         return tensorflow_assign(var, value, use_locking=use_locking, name=name,
                                  read_value=read_value)
 
@@ -271,11 +481,39 @@ def _combined_by_share(var) -> bool:
 # -- helpers ---------------------------------------------------------------------------
 
 
+def _checked_steps(field, value, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(field, value, "must be a whole number of steps >= 1")
+    return value
+
+
+def _checked_slowdown(slowdown, count):
+    slowdown = dict(slowdown or {})
+    for replica, factor in slowdown.items():
+        if not isinstance(replica, int) or not 0 <= replica < count:
+            raise ConfigError("simulate_slowdown", slowdown, f"{replica!r} is not a replica index below {count}")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+            raise ConfigError("simulate_slowdown", slowdown, f"factor {factor!r} must be a number >= 1")
+    return {replica: float(factor) for replica, factor in slowdown.items()}
+
+
+def _sleep_then_clock(_, seconds):
+    time.sleep(max(float(seconds), 0.0))
+    return np.float64(time.time())
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
+
+
 def _checked_powers(powers, count):
     if powers is None:
         return [1.0] * count
     if isinstance(powers, str):
-        raise ConfigError("powers", powers, "must be a sequence of numbers (e.g. [1, 3]) or None")
+        raise ConfigError("powers", powers, "must be 'auto', a sequence of numbers (e.g. [1, 3]) or None")
     powers = list(powers)
     if len(powers) != count:
         raise ConfigError("powers", powers, f"needs one power per replica ({count}), got {len(powers)}")
@@ -361,6 +599,5 @@ def _concat(pieces):
     pieces = list(pieces)
     if isinstance(pieces[0], tf.SparseTensor):
         return tf.sparse.concat(0, pieces)
-    with tf.device(pieces[0].device if hasattr(pieces[0], "device") else None):
-        return tf.concat(pieces, 0)
+    return tf.concat(pieces, 0)
 
