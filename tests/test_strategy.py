@@ -148,6 +148,7 @@ DATA = [
     "tf.data",
     "tf.data, validation dataset",
     "PyDataset",
+    "generator",
 ]
 MODELS = {"functional": functional, "sequential": sequential, "unbuilt": unbuilt,
           "subclassed": Subclassed, "own train_step": OwnTrainStep}
@@ -441,3 +442,82 @@ def test_auto_powers_move_work_off_a_slow_replica_and_stay_exact():
     assert auto.measured_speeds[0] > auto.measured_speeds[1] > 0
     for e, g in zip(expected.get_weights(), model.get_weights()):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
+TWO_WORKERS = '''
+import json, sys
+import keras
+import numpy as np
+
+
+def make():
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+    model.compile(keras.optimizers.SGD(0.2, momentum=0.5),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+
+
+def data():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(193, 4)).astype(np.float32)
+    return x, (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0).astype(np.int32)
+
+
+def results(model):
+    x, y = data()
+    history = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, validation_data=(x[:50], y[:50]))
+    return {"weights": [w.tolist() for w in model.get_weights()], "history": history.history,
+            "evaluate": model.evaluate(x, y, batch_size=32, verbose=0, return_dict=True),
+            "predict": model.predict(x, batch_size=32, verbose=0).tolist()}
+
+
+if __name__ == "__main__":
+    import tfdp
+
+    strategy = tfdp.MultiWorkerMirroredStrategy(powers=[1, 3])
+    with strategy.scope():
+        model = make()
+    found = results(model)
+    found["shares"] = strategy.shares
+    with open(sys.argv[1], "w") as f:
+        json.dump(found, f)
+'''
+
+
+@pytest.mark.slow
+def test_two_workers_under_plain_model_fit_give_one_devices_results(tmp_path):
+    """tfdp.MultiWorkerMirroredStrategy(powers=[1, 3]) on two workers (one replica each, as
+    TensorFlow gives CPU-only workers): each worker reads the global batches and trains its
+    piece; every worker ends with one device's weights, History, evaluate and predict."""
+    import json
+    import sys
+
+    from helpers import environment, run_together
+
+    from tfdp.launch import free_ports, tf_configs
+
+    script = tmp_path / "worker.py"
+    script.write_text(TWO_WORKERS)
+    outs = [tmp_path / f"worker{i}.json" for i in (0, 1)]
+    ran = run_together(
+        [[sys.executable, str(script), str(out)] for out in outs],
+        [environment(TF_CONFIG=c) for c in tf_configs(free_ports(2))],
+        cwd=tmp_path,
+    )
+    assert [status for status, _, _ in ran] == [0, 0], ran
+    reference = {}
+    exec(TWO_WORKERS, reference)  # noqa: S102 (the workers' own model and data, on one device)
+    expected = reference["results"](reference["make"]())
+    for out in outs:
+        got = json.loads(out.read_text())
+        assert got["shares"] == [0.25, 0.75]
+        for e, g in zip(expected["weights"], got["weights"]):
+            np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+        for key, values in expected["history"].items():
+            np.testing.assert_allclose(got["history"][key], values, rtol=1e-5, atol=1e-6)
+        for key, value in expected["evaluate"].items():
+            np.testing.assert_allclose(got["evaluate"][key], value, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got["predict"], expected["predict"], rtol=1e-5, atol=1e-6)

@@ -35,6 +35,7 @@ _LAZY = {
     "train_dataset": "tfdp.data",
     "MirroredTrainer": "tfdp.trainers.mirrored",
     "MirroredStrategy": "tfdp.strategy",
+    "MultiWorkerMirroredStrategy": "tfdp.strategy",
     "WeightedTrainer": "tfdp.trainers.weighted",
 }
 

@@ -59,53 +59,11 @@ def next_collective_key_base() -> int:
     return 100_000 * next(_key_bases)
 
 
-class MirroredStrategy(tf.distribute.MirroredStrategy):
-    """Synchronous replicas on one machine, each taking its share of every global batch.
+class UnevenShares:
+    """What tfdp's strategies add to TensorFlow's: the cut, the weight, the logs, the
+    moving statistics, and the shares themselves (given, or measured)."""
 
-    Args:
-      devices: as TensorFlow's: device names, or None for every local GPU (else the CPU).
-      powers: one relative speed per device (`[5, 1]`); None for even shares, the results
-        of TensorFlow's MirroredStrategy on those devices where it is exact.
-      reduce: "allreduce" (TensorFlow's choice of all-reduce) or "device0" (the MXNet
-        tutorial's: the gradients summed on device 0 and sent back from there).
-      cross_device_ops: as TensorFlow's (with reduce="allreduce" only).
-      rebalance_every: with powers="auto", measure again over every K steps and take the
-        measured shares (None: once, over the first `measure_steps` steps).
-      measure_steps: with powers="auto", the steps of the first measurement (the step that
-        starts a run is left out: it sets up kernels).
-      simulate_slowdown: {replica index: factor}, to try the balancing without unequal
-        devices: that replica's step waits (factor - 1) times its own time before its
-        gradients leave (a sleep, which holds no core). Never on by default.
-
-    With powers="auto" the shares start even and are measured on the model's own step, in
-    the step itself: each replica's seconds from its piece's arrival to its gradients'
-    readiness, over its rows. The measured shares are those speeds; the batches cut after
-    a change take them, and every step stays exact whatever its pieces hold.
-    """
-
-    def __init__(
-        self,
-        devices=None,
-        powers=None,
-        *,
-        reduce="allreduce",
-        cross_device_ops=None,
-        rebalance_every=None,
-        measure_steps=5,
-        simulate_slowdown=None,
-    ):
-        if reduce not in REDUCES:
-            raise ConfigError("reduce", reduce, f"must be one of {', '.join(REDUCES)}")
-        if reduce == "device0":
-            if cross_device_ops is not None:
-                raise ConfigError(
-                    "cross_device_ops", cross_device_ops, "is set by reduce='device0'; give one"
-                )
-            first = _device_names(devices)[0] if devices else None
-            cross_device_ops = tf.distribute.ReductionToOneDevice(reduce_to_device=first)
-        self._collective_key_base = next_collective_key_base()
-        super().__init__(devices, cross_device_ops=cross_device_ops)
-        self.reduce_to = reduce
+    def _set_up_shares(self, powers, rebalance_every, measure_steps, simulate_slowdown):
         count = self.num_replicas_in_sync
         self.auto = isinstance(powers, str) and powers == "auto"
         self.powers = [1.0] * count if self.auto else _checked_powers(powers, count)
@@ -123,6 +81,11 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
         shards.install()
         _install_assign_by_share()
         _install_keras_functions()
+
+    @property
+    def local_replicas(self) -> int:
+        """Replicas on this worker (all of them on one machine)."""
+        return len(self.extended.worker_devices)
 
     # -- the shares -------------------------------------------------------------------
 
@@ -174,24 +137,28 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """The dataset's batches, each cut into one piece per replica by share."""
-        count = self.num_replicas_in_sync
+        local = self.local_replicas
         structure = dataset.element_spec
         if not any(_has_rows(spec) for spec in tf.nest.flatten(structure)):
             raise ConfigError(
                 "dataset", structure, "has no batch axis: batch it first (dataset.batch(n))"
             )
 
-        def cut(*element):
-            batch = element[0] if len(element) == 1 else element
-            bounds = self.piece_bounds(rows_of(batch))
+        def pieces_for(first):
+            """This worker's pieces of each global batch: replicas first..first+local-1."""
 
-            def piece(index):
-                start, stop = bounds[index], bounds[index + 1]
-                return tf.nest.map_structure(lambda leaf: _rows(leaf, start, stop), batch)
+            def cut(*element):
+                batch = element[0] if len(element) == 1 else element
+                bounds = self.piece_bounds(rows_of(batch))
 
-            return tf.data.Dataset.range(count).map(piece)
+                def piece(index):
+                    start, stop = bounds[index], bounds[index + 1]
+                    return tf.nest.map_structure(lambda leaf: _rows(leaf, start, stop), batch)
 
-        pieces = dataset.flat_map(cut)
+                return tf.data.Dataset.range(first, first + local).map(piece)
+
+            return dataset.flat_map(cut)
+
         input_options = tf.distribute.InputOptions(
             experimental_replication_mode=tf.distribute.InputReplicationMode.PER_WORKER,
             experimental_fetch_to_device=(
@@ -201,7 +168,11 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
                 1 if options is None else options.experimental_per_replica_buffer_size
             ),
         )
-        return self.distribute_datasets_from_function(lambda _: pieces, input_options)
+        distributed = self.distribute_datasets_from_function(
+            lambda context: pieces_for(context.input_pipeline_id * local), input_options
+        )
+        distributed._tfdp_element_spec = structure  # noqa: SLF001 (Keras builds the model from it)
+        return distributed
 
     # -- the step -----------------------------------------------------------------------
 
@@ -227,7 +198,7 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
             if rows is None:  # nothing to weigh by: Keras' own 1/R
                 return fn(*replica_args, **replica_kwargs)
             context = tf.distribute.get_replica_context()
-            all_reduce = context.all_reduce  # tfdp's own reductions are never timed
+            all_reduce = _placed(context, self)  # tfdp's own reductions are never timed
             rows = tf.cast(rows, tf.float32)
             total = all_reduce(tf.distribute.ReduceOp.SUM, rows)
             fraction = tf.math.divide_no_nan(rows, total)
@@ -253,14 +224,101 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
         return super().run(weighed, args=args, kwargs=kwargs or {}, options=options)
 
     def reduce(self, reduce_op, value, axis=None):
-        """TensorFlow's reduce, but for pieces of a batch whose shapes differ: reduced with
-        axis=None, they are put back together (Keras builds a model from the first batch
-        this way, which TensorFlow cannot do for unequal pieces)."""
+        """TensorFlow's reduce, but: pieces of a batch whose shapes differ, reduced with
+        axis=None, are put back together (the batch they were cut from); a value without
+        a batch axis (a scalar log) is reduced across the replicas only, where TensorFlow
+        fails to reduce it along `axis` (Keras does so for every log on several workers)."""
         if axis is None and tf.executing_eagerly() and _unequal_pieces(self, value):
             return tf.nest.map_structure(
                 lambda v: _concat(self.experimental_local_results(v)), value
             )
+        if axis is not None and _rank(self, value) == 0:
+            axis = None
         return super().reduce(reduce_op, value, axis)
+
+
+class MirroredStrategy(UnevenShares, tf.distribute.MirroredStrategy):
+    """Synchronous replicas on one machine, each taking its share of every global batch.
+
+    Args:
+      devices: as TensorFlow's: device names, or None for every local GPU (else the CPU).
+      powers: one relative speed per device (`[5, 1]`), "auto" (measured), or None for even
+        shares, the results of TensorFlow's MirroredStrategy on those devices.
+      reduce: "allreduce" (TensorFlow's choice of all-reduce) or "device0" (the MXNet
+        tutorial's: the gradients summed on device 0 and sent back from there).
+      cross_device_ops: as TensorFlow's (with reduce="allreduce" only).
+      rebalance_every: with powers="auto", measure again over every K steps and take the
+        measured shares (None: once, over the first `measure_steps` steps).
+      measure_steps: with powers="auto", the steps of the first measurement (the step that
+        starts a run is left out: it sets up kernels).
+      simulate_slowdown: {replica index: factor}, to try the balancing without unequal
+        devices: that replica's step waits (factor - 1) times its own time before its
+        gradients leave (a sleep, which holds no core). Never on by default.
+
+    With powers="auto" the shares start even and are measured on the model's own step, in
+    the step itself: each replica's seconds from the moment every replica holds its piece
+    to the moment its gradients are ready, over its rows. The shares become those speeds,
+    which moves the replicas toward equal finishing times; the batches cut after a change
+    take them, and every step stays exact whatever its pieces hold.
+    """
+
+    def __init__(
+        self,
+        devices=None,
+        powers=None,
+        *,
+        reduce="allreduce",
+        cross_device_ops=None,
+        rebalance_every=None,
+        measure_steps=5,
+        simulate_slowdown=None,
+    ):
+        if reduce not in REDUCES:
+            raise ConfigError("reduce", reduce, f"must be one of {', '.join(REDUCES)}")
+        if reduce == "device0":
+            if cross_device_ops is not None:
+                raise ConfigError(
+                    "cross_device_ops", cross_device_ops, "is set by reduce='device0'; give one"
+                )
+            first = _device_names(devices)[0] if devices else None
+            cross_device_ops = tf.distribute.ReductionToOneDevice(reduce_to_device=first)
+        self._collective_key_base = next_collective_key_base()
+        super().__init__(devices, cross_device_ops=cross_device_ops)
+        self.reduce_to = reduce
+        self._set_up_shares(powers, rebalance_every, measure_steps, simulate_slowdown)
+
+
+class MultiWorkerMirroredStrategy(UnevenShares, tf.distribute.MultiWorkerMirroredStrategy):
+    """TensorFlow's MultiWorkerMirroredStrategy with uneven shares: every worker reads the
+    global batches (the same data on every worker, not sharded) and keeps its replicas'
+    pieces of each, so plain `model.fit` on each worker makes one device's update.
+
+    Args:
+      powers: one relative speed per replica, in worker order (one per worker on CPU-only
+        workers); "auto" or None as in `tfdp.MirroredStrategy`.
+      cluster: where the cluster comes from: "auto", "tf_config" or "slurm" (as `tfdp
+        --cluster`); TF_CONFIG is set from Slurm's variables where needed.
+      communication_options: as TensorFlow's.
+      rebalance_every, measure_steps, simulate_slowdown: as in `tfdp.MirroredStrategy`.
+    """
+
+    def __init__(
+        self,
+        powers=None,
+        *,
+        cluster="auto",
+        communication_options=None,
+        rebalance_every=None,
+        measure_steps=5,
+        simulate_slowdown=None,
+        **settings,
+    ):
+        from tfdp.cluster import find_cluster
+        from tfdp.config import Config
+
+        find_cluster(Config(mode="multiworker", cluster=cluster, **settings))
+        super().__init__(communication_options=communication_options)
+        self._set_up_shares(powers, rebalance_every, measure_steps, simulate_slowdown)
 
 
 def whole_batch_logs(model, logs, fraction, context, all_reduce=None):
@@ -356,7 +414,7 @@ class _Clock:
             tf.distribute.ReduceOp.SUM,
             tf.concat([mine * tf.cast(self.rows, tf.float64), mine * seconds], 0),
         )
-        if self.replica == 0:  # one replica keeps the books
+        if self.replica % self.strategy.local_replicas == 0:  # one replica per worker keeps the books
             self.strategy._account(both[:count], both[count:])  # noqa: SLF001
 
 
@@ -366,7 +424,9 @@ _keras_installed = {}
 
 
 def _install_keras_functions() -> None:
-    """Keras' train, test and predict functions, for a model under tfdp's strategy, run
+    """For a model under tfdp's strategy, Keras builds the model from the data's shapes
+    (`element_spec`) where it would take the first batch of a fresh iterator (which loses
+    the batches a generator had read ahead), and Keras' train, test and predict functions run
     `steps_per_execution` steps as that many calls of a one-step function (Keras' own
     multi-step loop fails inside tf.distribute on this TensorFlow: keras-team/keras#19246),
     and without XLA where the replicas are not all GPUs (one XLA program cannot span
@@ -380,7 +440,7 @@ def _install_keras_functions() -> None:
 
     def _make_function(self, step_function):
         strategy = self.distribute_strategy
-        if not isinstance(strategy, MirroredStrategy):
+        if not isinstance(strategy, UnevenShares):
             return keras_make(self, step_function)
         with _without_xla(self, strategy):
             one_step = keras_make(self, step_function)
@@ -388,14 +448,26 @@ def _install_keras_functions() -> None:
 
     def make_predict_function(self, force=False):
         strategy = self.distribute_strategy
-        if not isinstance(strategy, MirroredStrategy):
+        if not isinstance(strategy, UnevenShares):
             return keras_make_predict(self, force)
         with _without_xla(self, strategy):
             return keras_make_predict(self, force)
 
+    keras_build = TensorFlowTrainer._maybe_symbolic_build  # noqa: SLF001
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        strategy = self._distribute_strategy  # noqa: SLF001
+        dataset = getattr(iterator, "_distributed_dataset", None)
+        spec = getattr(dataset, "_tfdp_element_spec", None)
+        if not isinstance(strategy, UnevenShares) or data_batch is not None or spec is None:
+            return keras_build(self, iterator=iterator, data_batch=data_batch)
+        with strategy.scope():
+            self._symbolic_build(data_batch=spec)  # noqa: SLF001
+
     TensorFlowTrainer._make_function = _make_function  # noqa: SLF001
     TensorFlowTrainer.make_predict_function = make_predict_function
-    _keras_installed.update(make=keras_make, make_predict=keras_make_predict)
+    TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build  # noqa: SLF001
+    _keras_installed.update(make=keras_make, make_predict=keras_make_predict, build=keras_build)
 
 
 @contextlib.contextmanager
@@ -470,7 +542,7 @@ def _combined_by_share(var) -> bool:
     context = tf.distribute.get_replica_context()
     return (
         context is not None
-        and isinstance(context.strategy, MirroredStrategy)
+        and isinstance(context.strategy, UnevenShares)
         and context.num_replicas_in_sync > 1
         and var.aggregation == tf.VariableAggregation.NONE
         and not var.trainable
@@ -563,6 +635,22 @@ def _rows(leaf, start, stop):
     return leaf
 
 
+def _placed(context, strategy):
+    """The replica context's all-reduce, its values first placed on the replica's device (a
+    collective needs a device to send from; a value Keras reads from a variable may have
+    none)."""
+    replica = int(tf.get_static_value(context.replica_id_in_sync_group))
+    device = strategy.extended.worker_devices[replica % strategy.local_replicas]
+    keras_all_reduce = context.all_reduce
+
+    def all_reduce(reduce_op, value, options=None):
+        with tf.device(device):
+            value = tf.nest.map_structure(tf.identity, value)
+        return keras_all_reduce(reduce_op, value, options)
+
+    return all_reduce
+
+
 def _trainer_of(fn):
     """The Keras model whose own step `fn` is (Keras passes `model.train_step`), else None."""
     owner = getattr(fn, "__self__", None)
@@ -593,6 +681,13 @@ def _unequal_pieces(strategy, value) -> bool:
         if len({tuple(getattr(v, "shape", ())) for v in locals_}) > 1:
             return True
     return False
+
+
+def _rank(strategy, value):
+    first = strategy.experimental_local_results(value)[0] if isinstance(
+        value, tf.distribute.DistributedValues) else value
+    shape = getattr(first, "shape", None)
+    return None if shape is None else shape.rank
 
 
 def _concat(pieces):
