@@ -521,3 +521,140 @@ def test_two_workers_under_plain_model_fit_give_one_devices_results(tmp_path):
         for key, value in expected["evaluate"].items():
             np.testing.assert_allclose(got["evaluate"][key], value, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(got["predict"], expected["predict"], rtol=1e-5, atol=1e-6)
+
+
+class OwnMeanLoss(Subclassed):
+    """A step that takes the mean of its own loss: Keras never sees it to weigh it."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            logits = self(x, training=True)
+            loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        return {"loss": loss}
+
+
+def test_a_loss_keras_cannot_weigh_is_said_in_one_line():
+    x, y = examples(64)
+    with strategy().scope():
+        model = compiled(OwnMeanLoss)
+    with pytest.warns(UserWarning, match=r"OwnMeanLoss.train_step computes its loss without Keras' loss functions"):
+        model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+
+
+def test_the_tutorials_reduction_on_device_0_gives_one_devices_results():
+    """reduce="device0": the gradients summed on device 0 and sent back from there (the MXNet
+    tutorial's reduction), TensorFlow's ReductionToOneDevice under the strategy."""
+    device0 = tfdp.MirroredStrategy(DEVICES, powers=(1, 3), reduce="device0")
+    ops = device0.extended._cross_device_ops  # noqa: SLF001
+    assert isinstance(ops, tf.distribute.ReductionToOneDevice)
+    assert ops.reduce_to_device == "/cpu:0"
+    make = lambda: compiled(functional)  # noqa: E731
+    arguments = lambda: fit_arguments("arrays, validation, sample weights")  # noqa: E731
+    assert_same_results(run(make, arguments()), run(make, arguments(), device0))
+
+
+def _tensorflow_trainer():
+    from keras.src.backend.tensorflow import trainer
+
+    return trainer
+
+
+def _loss_scaling_is_tfdps():
+    """Keras scales a replica's loss through `keras.src.losses.loss.scale_loss_for_distribution`
+    (its trainer and its Loss call it by module attribute): tfdp's replacement weighs by share."""
+    from keras.src.losses import loss as loss_module
+
+    from tfdp import shards
+
+    shards.install()
+    with shards.piece(0.25):
+        assert float(loss_module.scale_loss_for_distribution(tf.constant(8.0))) == 2.0
+        assert float(loss_module.unscale_loss_for_distribution(tf.constant(2.0))) == 8.0
+    import inspect
+
+    assert "loss_module.scale_loss_for_distribution" in inspect.getsource(
+        _tensorflow_trainer().TensorFlowTrainer._aggregate_additional_loss  # noqa: SLF001
+    )
+    assert "scale_loss_for_distribution(loss)" in inspect.getsource(loss_module.reduce_values)
+
+
+def _keras_functions_are_there():
+    """Keras' TensorFlow trainer builds its step functions in `_make_function(step_function)`
+    and `make_predict_function(force)`, and builds the model in `_maybe_symbolic_build(
+    iterator, data_batch)` / `_symbolic_build(data_batch=...)` from shapes and dtypes."""
+    import inspect
+
+    trainer = _tensorflow_trainer().TensorFlowTrainer
+    assert list(inspect.signature(trainer._make_function).parameters) == ["self", "step_function"]  # noqa: SLF001
+    assert "force" in inspect.signature(trainer.make_predict_function).parameters
+    assert list(inspect.signature(trainer._maybe_symbolic_build).parameters) == [  # noqa: SLF001
+        "self", "iterator", "data_batch"]
+    assert "KerasTensor(\n                    v.shape" in inspect.getsource(trainer._symbolic_build)  # noqa: SLF001
+    assert "self.steps_per_execution" in inspect.getsource(trainer._make_function)  # noqa: SLF001
+
+
+def _epoch_iterator_distributes():
+    """Keras' TFEpochIterator hands the data to `strategy.experimental_distribute_dataset` and
+    keeps the result as `_distributed_dataset`; Keras passes `model.train_step` itself to
+    `strategy.run` (tfdp finds the model there, for the whole batch's logs)."""
+    import inspect
+
+    trainer = _tensorflow_trainer()
+    source = inspect.getsource(trainer.TFEpochIterator.__init__)
+    assert "experimental_distribute_dataset" in source and "self._distributed_dataset" in source
+    assert "self._make_function(self.train_step)" in inspect.getsource(
+        trainer.TensorFlowTrainer.make_train_function)
+
+
+def _collective_keys_from_the_base():
+    """TensorFlow numbers a MirroredStrategy's collective groups from its
+    `_collective_key_base` (read when the strategy is built)."""
+    made = strategy()
+    keys = made.extended._collective_keys  # noqa: SLF001
+    base = made._collective_key_base  # noqa: SLF001
+    assert base + 1 <= keys._group_key < base + 100_000  # noqa: SLF001
+
+
+def _assignment_goes_through_on_write_assign():
+    """A MirroredVariable's `assign` in a replica goes through
+    `tensorflow.python.distribute.values_util.on_write_assign` (tfdp's hook combines
+    BatchNormalization's moving statistics there)."""
+    import inspect
+
+    from tensorflow.python.distribute import values
+
+    assert "values_util.on_write_assign" in inspect.getsource(values.MirroredVariable) or (
+        "values_util.on_write_assign" in inspect.getsource(values.OnWritePolicy))
+
+
+def _round_robin_gives_replica_i_piece_i():
+    """Elements of a per-worker dataset go to the replicas in turn (MultiDeviceIterator's
+    round robin): tfdp's pieces reach their replicas in order."""
+    made = strategy()
+    dataset = made.experimental_distribute_dataset(tf.data.Dataset.range(8).batch(8))
+    pieces = [p.numpy() for p in made.experimental_local_results(next(iter(dataset)))]
+    assert [list(p) for p in pieces] == [[0, 1], [2, 3, 4, 5, 6, 7]]
+
+
+INTERNALS = {
+    "keras.src.losses.loss.scale_loss_for_distribution": _loss_scaling_is_tfdps,
+    "TensorFlowTrainer._make_function / make_predict_function / _maybe_symbolic_build": _keras_functions_are_there,
+    "TFEpochIterator + strategy.run(model.train_step)": _epoch_iterator_distributes,
+    "MirroredStrategy._collective_key_base": _collective_keys_from_the_base,
+    "values_util.on_write_assign": _assignment_goes_through_on_write_assign,
+    "MultiDeviceIterator round robin": _round_robin_gives_replica_i_piece_i,
+}
+
+
+@pytest.mark.parametrize("internal", INTERNALS)
+def test_each_keras_or_tensorflow_internal_it_relies_on_is_as_tested(internal):
+    try:
+        INTERNALS[internal]()
+    except Exception as error:  # noqa: BLE001 (any change of the internal is this failure)
+        pytest.fail(
+            f"tfdp.MirroredStrategy relies on {internal}, which this Keras {keras.__version__} / "
+            f"TensorFlow {tf.__version__} changed: {type(error).__name__}: {error}"
+        )

@@ -211,8 +211,10 @@ class UnevenShares:
                     )
             _local.fraction, _local.all_reduce = fraction, all_reduce
             try:
-                with shards.piece(fraction), (clock or _nothing()):
+                with shards.piece(fraction) as piece, (clock or _nothing()):
                     outputs = fn(*replica_args, **replica_kwargs)
+                if model is not None and not piece.scaled:
+                    _say_not_weighed(model, fn)
                 if clock is not None:
                     clock.record(all_reduce)
                 if model is not None and isinstance(outputs, dict):
@@ -633,6 +635,27 @@ def _rows(leaf, start, stop):
     if tf.is_tensor(leaf) and leaf.shape.rank is not None and leaf.shape.rank >= 1:
         return leaf[start:stop]
     return leaf
+
+
+_said = set()
+
+
+def _say_not_weighed(model, fn) -> None:
+    """One line, once per model class, for an own step whose loss Keras never scaled: its
+    replicas' gradients are summed as they are, which is not one device's update."""
+    name = f"{type(model).__name__}.{fn.__name__}"
+    if fn.__name__ != "train_step" or not shards.overrides(model, "train_step"):
+        return
+    if not model.trainable_weights or name in _said:
+        return
+    _said.add(name)
+    warnings.warn(
+        f"tfdp.MirroredStrategy: {name} computes its loss without Keras' loss functions "
+        "(self.compute_loss or a keras.losses.Loss), so its loss is not weighed by each "
+        "replica's share of the batch and its update is not one device's (each replica's "
+        "gradients count in full); compute the loss with self.compute_loss(...)",
+        stacklevel=2,
+    )
 
 
 def _placed(context, strategy):
