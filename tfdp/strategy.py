@@ -78,6 +78,8 @@ class UnevenShares:
             self._window_rows = tf.Variable(tf.zeros([count], tf.float64), trainable=False)
             self._window_seconds = tf.Variable(tf.zeros([count], tf.float64), trainable=False)
             self._measured = tf.Variable(tf.zeros([count], tf.float64), trainable=False)
+            self._slowdown_calls = tf.Variable(tf.zeros([count], tf.int64), trainable=False)
+            self._slowdown_per_example = tf.Variable(tf.zeros([count], tf.float64), trainable=False)
         shards.install()
         _install_assign_by_share()
         _install_keras_functions()
@@ -114,6 +116,19 @@ class UnevenShares:
         ends = tf.concat([ends[:-1], [rows]], 0)
         return tf.concat([[tf.constant(0, tf.int64)], ends], 0)
 
+    def _slow_down(self, replica, factor, start, end, rows):
+        """The simulated slowdown of one replica: a sleep of (factor - 1) times its seconds
+        per example, taken from its second step (the first sets up kernels) and fixed from
+        then on, so that the sleep follows the rows it is given. Returns the time after it."""
+        calls = self._slowdown_calls.scatter_nd_add([[replica]], [1])[replica]
+        seconds = tf.maximum(end - start, 0.0)
+        per_example = tf.math.divide_no_nan(seconds, tf.cast(rows, tf.float64))
+        fixed = self._slowdown_per_example.scatter_nd_update(
+            [[replica]], [tf.where(tf.equal(calls, 2), per_example, self._slowdown_per_example[replica])]
+        )[replica]
+        sleep = tf.where(fixed > 0, fixed * tf.cast(rows, tf.float64), seconds) * (factor - 1.0)
+        return tf.numpy_function(_sleep_then_clock, [end, sleep], tf.float64)
+
     def _account(self, rows, seconds):
         """One timed step's rows and seconds per replica, into the measurement window;
         at the window's end the shares become the measured speeds (in the step's graph)."""
@@ -148,12 +163,16 @@ class UnevenShares:
             """This worker's pieces of each global batch: replicas first..first+local-1."""
 
             def cut(*element):
-                batch = element[0] if len(element) == 1 else element
-                bounds = self.piece_bounds(rows_of(batch))
+                batch = element if isinstance(structure, tuple) else element[0]
+                leaves = tf.nest.flatten(batch)
+                bounds = self.piece_bounds(rows_of(leaves))
 
                 def piece(index):
                     start, stop = bounds[index], bounds[index + 1]
-                    return tf.nest.map_structure(lambda leaf: _rows(leaf, start, stop), batch)
+                    # the element's own structure (a list stays a list, a 1-tuple a 1-tuple)
+                    return tf.nest.pack_sequence_as(
+                        structure, [_rows(leaf, start, stop) for leaf in leaves]
+                    )
 
                 return tf.data.Dataset.range(first, first + local).map(piece)
 
@@ -254,8 +273,9 @@ class MirroredStrategy(UnevenShares, tf.distribute.MirroredStrategy):
       measure_steps: with powers="auto", the steps of the first measurement (the step that
         starts a run is left out: it sets up kernels).
       simulate_slowdown: {replica index: factor}, to try the balancing without unequal
-        devices: that replica's step waits (factor - 1) times its own time before its
-        gradients leave (a sleep, which holds no core). Never on by default.
+        devices: before its gradients leave, that replica sleeps (factor - 1) times its
+        seconds per example (as measured in its second step) for every example it holds; a
+        sleep holds no core. Never on by default.
 
     With powers="auto" the shares start even and are measured on the model's own step, in
     the step itself: each replica's seconds from the moment every replica holds its piece
@@ -399,9 +419,7 @@ class _Clock:
             end = tf.timestamp()
         factor = self.strategy.slowdown.get(self.replica)
         if factor:
-            end = tf.numpy_function(
-                _sleep_then_clock, [end, (end - self.start) * (factor - 1.0)], tf.float64
-            )
+            end = self.strategy._slow_down(self.replica, factor, self.start, end, self.rows)  # noqa: SLF001
         self.end = end
         with tf.control_dependencies([end]):
             return tf.nest.map_structure(tf.identity, value, expand_composites=True)
