@@ -587,13 +587,17 @@ def _keras_functions_are_there():
     iterator, data_batch)` / `_symbolic_build(data_batch=...)` from shapes and dtypes."""
     import inspect
 
-    trainer = _tensorflow_trainer().TensorFlowTrainer
-    assert list(inspect.signature(trainer._make_function).parameters) == ["self", "step_function"]  # noqa: SLF001
-    assert "force" in inspect.signature(trainer.make_predict_function).parameters
-    assert list(inspect.signature(trainer._maybe_symbolic_build).parameters) == [  # noqa: SLF001
-        "self", "iterator", "data_batch"]
+    from tfdp.strategy import _keras_installed
+
+    trainer = _tensorflow_trainer().TensorFlowTrainer  # Keras' own, before tfdp wraps them
+    make = _keras_installed.get("make", trainer._make_function)  # noqa: SLF001
+    make_predict = _keras_installed.get("make_predict", trainer.make_predict_function)
+    build = _keras_installed.get("build", trainer._maybe_symbolic_build)  # noqa: SLF001
+    assert list(inspect.signature(make).parameters) == ["self", "step_function"]
+    assert "force" in inspect.signature(make_predict).parameters
+    assert list(inspect.signature(build).parameters) == ["self", "iterator", "data_batch"]
     assert "KerasTensor(\n                    v.shape" in inspect.getsource(trainer._symbolic_build)  # noqa: SLF001
-    assert "self.steps_per_execution" in inspect.getsource(trainer._make_function)  # noqa: SLF001
+    assert "self.steps_per_execution" in inspect.getsource(make)
 
 
 def _epoch_iterator_distributes():
