@@ -184,7 +184,9 @@ absl = [f.name for m in absl for f in flags.FLAGS.get_flags_for_module(m)]
 print(json.dumps({"names": names + absl + ["flagfile"], "booleans": booleans}))
 """
     found = {}
-    for module in sorted(set(MODULES.values()) | {"tfdp.bench.steps", "tfdp.bench.memory"}):
+    for module in sorted(
+        set(MODULES.values()) | {"tfdp.bench.steps", "tfdp.bench.memory", "tfdp.bench.strategy"}
+    ):
         process = subprocess.run(
             [sys.executable, "-c", script, module],
             capture_output=True,

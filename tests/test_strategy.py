@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from test_keras_data import Batches as Sequence  # a PyDataset of (x, y) batches
+
 import tfdp
 
 DEVICES = ["/cpu:0", "/cpu:1"]
@@ -95,19 +97,6 @@ class Batches(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.logs.append(dict(logs))
-
-
-class Sequence(keras.utils.PyDataset):
-    def __init__(self, x, y, size):
-        super().__init__()
-        self.x, self.y, self.size = x, y, size
-
-    def __len__(self):
-        return -(-len(self.x) // self.size)
-
-    def __getitem__(self, index):
-        window = slice(index * self.size, (index + 1) * self.size)
-        return self.x[window], self.y[window]
 
 
 def generator(x, y, size):

@@ -3,6 +3,7 @@
     import tfdp
     tfdp.split_batch(100, [1, 5])          # [17, 83]
     history = tfdp.fit(model, x, y, batch_size=256, epochs=1, mode="weighted", powers="auto")
+    strategy = tfdp.MirroredStrategy(["gpu:0", "cpu:0"], powers="auto")  # plain model.fit in its scope
     result = tfdp.train(tfdp.Config(mode="mirrored", devices="all"))   # the tutorial's runs
 
 The modules that import TensorFlow load on first use, so `import tfdp` is quick,
