@@ -9,6 +9,8 @@ Rows, each in a process of its own, in interleaved rounds A B C D A B C D ...:
   tf mirrored x2            tf.distribute.MirroredStrategy(["cpu:0", "cpu:1"])
   tfdp even x2              tfdp.MirroredStrategy(["cpu:0", "cpu:1"]) (powers=None)
   tfdp even x2, slow cpu:1  the same, with replica 1 made 4x slower (simulate_slowdown)
+  tfdp 4:1 x2, slow cpu:1   powers=[4, 1] with replica 1 made 4x slower: the split the
+                            slowdown asks for, given
   tfdp auto x2, slow cpu:1  powers="auto" with replica 1 made 4x slower
 
 The model is built and compiled in the strategy's scope and trained by `model.fit`, nothing
@@ -18,8 +20,9 @@ ResNet: TFRecord files read, parsed and augmented as they are consumed, batch 25
 callback reads each batch's loss and stamps the time; the rate is the images of the
 `--steps` timed steps over their seconds, after `--warmup` steps (tracing, and for the auto
 row its measurement, are in the warm-up). The summary gives each row's median and the
-ratios of medians the claims rest on: tfdp even / TensorFlow's, and auto / even with the
-slow replica (ideal 2.5: a device at 1/4 speed beside one at full speed gives 1.25 / 0.5).
+ratios of medians the claims rest on: tfdp even / TensorFlow's; auto / even with the slow
+replica (ideal 2.5: a device at 1/4 speed beside one at full speed gives 1.25 / 0.5, with
+no part of the step that a split cannot shorten), and auto / the given 4:1 split.
 """
 
 from __future__ import annotations
@@ -34,7 +37,13 @@ import time
 
 from absl import app, flags
 
-ROWS = ("tf mirrored x2", "tfdp even x2", "tfdp even x2, slow cpu:1", "tfdp auto x2, slow cpu:1")
+ROWS = (
+    "tf mirrored x2",
+    "tfdp even x2",
+    "tfdp even x2, slow cpu:1",
+    "tfdp 4:1 x2, slow cpu:1",
+    "tfdp auto x2, slow cpu:1",
+)
 SLOWDOWN = 4.0
 
 flags.DEFINE_enum("workload", "lenet", ["lenet", "cnn"], "What to train.")
@@ -58,7 +67,7 @@ def strategy_for(row: str):
         tf.distribute.MirroredStrategy._collective_key_base = next_collective_key_base()  # noqa: SLF001
         return tf.distribute.MirroredStrategy(devices)
     slow = {1: SLOWDOWN} if "slow" in row else None
-    powers = "auto" if "auto" in row else None
+    powers = "auto" if "auto" in row else [4, 1] if "4:1" in row else None
     return tfdp.MirroredStrategy(devices, powers=powers, simulate_slowdown=slow, measure_steps=3)
 
 
@@ -123,6 +132,10 @@ def summarize(results: list[dict]) -> list[dict]:
         "tfdp even / tf mirrored": round(median["tfdp even x2"] / median["tf mirrored x2"], 3),
         "auto / even, slow cpu:1": round(
             median["tfdp auto x2, slow cpu:1"] / median["tfdp even x2, slow cpu:1"], 3),
+        "4:1 / even, slow cpu:1": round(
+            median["tfdp 4:1 x2, slow cpu:1"] / median["tfdp even x2, slow cpu:1"], 3),
+        "auto / 4:1, slow cpu:1": round(
+            median["tfdp auto x2, slow cpu:1"] / median["tfdp 4:1 x2, slow cpu:1"], 3),
         "ideal auto / even": 2.5,
         "command": f"python -m tfdp.bench.strategy --workload={results[0]['workload']} "
                    f"--rounds={FLAGS.rounds} --steps={FLAGS.steps} --warmup={FLAGS.warmup}",
