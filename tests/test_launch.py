@@ -366,6 +366,30 @@ def test_flag_network_must_be_isolated_or_host():
     ]
 
 
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["--"], "tfdp-launch: error: --: needs a command after it, e.g. -- python3 train.py"),
+        (
+            ["--model=toy", "--", "python3", "train.py"],
+            "tfdp-launch: error: --model=toy: is a tfdp flag; with -- COMMAND, give the command "
+            "its own arguments",
+        ),
+    ],
+)
+def test_a_command_of_ones_own_is_refused_without_a_command_or_beside_tfdp_flags(args, line):
+    process = subprocess.run(
+        [sys.executable, "-m", "tfdp.launch", *args],
+        capture_output=True,
+        text=True,
+        env=environment(),
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert process.returncode == 2
+    assert process.stderr.splitlines() == [line]
+
+
 def test_help_describes_the_network_flag():
     process = subprocess.run(
         [sys.executable, "-m", "tfdp.launch", "--help"],

@@ -464,6 +464,8 @@ def results(model):
 
 
 if __name__ == "__main__":
+    import os
+
     import tfdp
 
     strategy = tfdp.MultiWorkerMirroredStrategy(powers=[1, 3])
@@ -471,32 +473,40 @@ if __name__ == "__main__":
         model = make()
     found = results(model)
     found["shares"] = strategy.shares
-    with open(sys.argv[1], "w") as f:
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    with open(f"{sys.argv[1]}{index}.json", "w") as f:
         json.dump(found, f)
 '''
 
 
 @pytest.mark.slow
-def test_two_workers_under_plain_model_fit_give_one_devices_results(tmp_path):
+@pytest.mark.parametrize("started", ["by hand", "tfdp-launch"])
+def test_two_workers_under_plain_model_fit_give_one_devices_results(started, tmp_path):
     """tfdp.MultiWorkerMirroredStrategy(powers=[1, 3]) on two workers (one replica each, as
-    TensorFlow gives CPU-only workers): each worker reads the global batches and trains its
-    piece; every worker ends with one device's weights, History, evaluate and predict."""
+    TensorFlow gives CPU-only workers), each with its TF_CONFIG, or started by `tfdp-launch
+    -- COMMAND`: each worker reads the global batches and trains its piece; every worker
+    ends with one device's weights, History, evaluate and predict."""
     import json
     import sys
 
-    from helpers import environment, run_together
+    from helpers import environment, launch, run_together
 
     from tfdp.launch import free_ports, tf_configs
 
     script = tmp_path / "worker.py"
     script.write_text(TWO_WORKERS)
+    prefix = str(tmp_path / "worker")
+    if started == "by hand":
+        ran = run_together(
+            [[sys.executable, str(script), prefix]] * 2,
+            [environment(TF_CONFIG=c) for c in tf_configs(free_ports(2))],
+            cwd=tmp_path,
+        )
+        assert [status for status, _, _ in ran] == [0, 0], ran
+    else:
+        done = launch("--", sys.executable, str(script), prefix, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
     outs = [tmp_path / f"worker{i}.json" for i in (0, 1)]
-    ran = run_together(
-        [[sys.executable, str(script), str(out)] for out in outs],
-        [environment(TF_CONFIG=c) for c in tf_configs(free_ports(2))],
-        cwd=tmp_path,
-    )
-    assert [status for status, _, _ in ran] == [0, 0], ran
     reference = {}
     exec(TWO_WORKERS, reference)  # noqa: S102 (the workers' own model and data, on one device)
     expected = reference["results"](reference["make"]())

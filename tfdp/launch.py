@@ -6,6 +6,12 @@ starts `tfdp --mode=multiworker [flags]` N times, each with a TF_CONFIG that
 names the same cluster of free loopback ports and its own task index. Every
 output line is prefixed `[worker i] `.
 
+  tfdp-launch --workers=2 -- python3 train.py --epochs=3
+
+starts the command after `--` N times instead, with the same TF_CONFIG: a
+script of your own that makes `tfdp.MultiWorkerMirroredStrategy(powers=...)`
+(or TensorFlow's) finds its cluster there.
+
 Network: TensorFlow's gRPC server listens on all interfaces without any
 authentication, and whoever reaches a worker's port can run code in it. With
 `--network=isolated` (the default where Linux allows it) the launcher and its
@@ -43,7 +49,7 @@ import time
 
 USAGE = (
     "usage: tfdp-launch [--workers=N] [--gpus_per_worker=K] [--grace_seconds=S] "
-    "[--network=isolated|host] [tfdp flags]"
+    "[--network=isolated|host] [tfdp flags | -- COMMAND [ARG ...]]"
 )
 DEFAULT_WORKERS = 2
 DEFAULT_GRACE_SECONDS = 30.0  # longer than TensorFlow's heartbeat timeout (about 10 s)
@@ -106,6 +112,23 @@ def parse_args(argv: list[str]) -> tuple[int, float, str | None, int | None, lis
     if not any(arg.startswith("--mode=") for arg in passed):
         passed.insert(0, "--mode=multiworker")
     return workers, grace, network, gpus_per_worker, passed
+
+
+def split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """(the launcher's arguments, the worker command after `--`, or None without one)."""
+    if "--" not in argv:
+        return argv, None
+    at = argv.index("--")
+    return argv[:at], argv[at + 1 :]
+
+
+def check_command(command: list[str], flags: list[str]) -> None:
+    """UsageError for an empty command, or tfdp flags beside one (they go to the command)."""
+    if not command:
+        raise UsageError("--", "needs a command after it, e.g. -- python3 train.py")
+    extra = [flag for flag in flags if flag != "--mode=multiworker"]
+    if extra:
+        raise UsageError(extra[0], "is a tfdp flag; with -- COMMAND, give the command its own arguments")
 
 
 def visible_gpus(environ) -> list[str] | None:
@@ -256,13 +279,15 @@ def _status_text(code: int) -> str:
 class _Workers:
     """The processes of one start of the cluster, and the threads that copy their output."""
 
-    def __init__(self, count: int, flags: list[str], lock: threading.Lock, gpus_per_worker, gpus):
+    def __init__(
+        self, count: int, flags: list[str], lock: threading.Lock, gpus_per_worker, gpus, command
+    ):
         self.port_taken = [False] * count
         self.processes, self.threads = [], []
         for i, tf_config in enumerate(tf_configs(free_ports(count))):
             self.processes.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "tfdp", *flags],
+                    command or [sys.executable, "-m", "tfdp", *flags],
                     env=worker_environment(os.environ, tf_config, i, gpus_per_worker, gpus),
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
@@ -300,8 +325,9 @@ def launch(
     grace_seconds: float = DEFAULT_GRACE_SECONDS,
     gpus_per_worker: int | None = None,
     gpus: list[str] | None = None,
+    command: list[str] | None = None,
 ) -> int:
-    """Runs the cluster; returns 0, the first failing worker's status (128 + N for signal N),
+    """Runs the cluster (of `command`, else of the tfdp command with `flags`); returns 0, the first failing worker's status (128 + N for signal N),
     or 128 + N when signal N (SIGTERM, SIGINT) stopped it.
 
     gpus_per_worker, gpus: as in `worker_environment`.
@@ -320,7 +346,7 @@ def launch(
 
     try:
         status = _supervise(
-            _Workers(workers, flags, lock, gpus_per_worker, gpus),
+            _Workers(workers, flags, lock, gpus_per_worker, gpus, command),
             grace_seconds,
             received,
             say,
@@ -328,7 +354,10 @@ def launch(
         )
         if status is None:  # a port was taken between choosing and binding it: once more
             status = _supervise(
-                _Workers(workers, flags, lock, gpus_per_worker, gpus), grace_seconds, received, say
+                _Workers(workers, flags, lock, gpus_per_worker, gpus, command),
+                grace_seconds,
+                received,
+                say,
             )
         return status
     finally:
@@ -454,8 +483,11 @@ def run() -> None:
         print(__doc__.strip() + "\n\n" + "\n".join((USAGE, LAUNCH_HELP, NETWORK_HELP, GPUS_HELP)))
         return
     gpus = None
+    argv, command = split_command(sys.argv[1:])
     try:
-        workers, grace, network, gpus_per_worker, flags = parse_args(sys.argv[1:])
+        workers, grace, network, gpus_per_worker, flags = parse_args(argv)
+        if command is not None:
+            check_command(command, flags)
         if gpus_per_worker:
             gpus = visible_gpus(os.environ)
             check_gpus(workers, gpus_per_worker, gpus)
@@ -489,7 +521,7 @@ def run() -> None:
                 file=sys.stderr,
                 flush=True,
             )
-    sys.exit(launch(workers, flags, grace, gpus_per_worker, gpus))
+    sys.exit(launch(workers, flags, grace, gpus_per_worker, gpus, command))
 
 
 if __name__ == "__main__":
