@@ -671,3 +671,15 @@ def test_each_keras_or_tensorflow_internal_it_relies_on_is_as_tested(internal):
             f"tfdp.MirroredStrategy relies on {internal}, which this Keras {keras.__version__} / "
             f"TensorFlow {tf.__version__} changed: {type(error).__name__}: {error}"
         )
+
+
+def test_the_pieces_run_without_tf_data_autotuning_unless_the_user_set_it():
+    """Autotuning made Keras' deletion of an iterator wait up to a minute beside another busy
+    process; off where the user set nothing, the user's own setting stands."""
+    made = strategy()
+    plain = made.experimental_distribute_dataset(tf.data.Dataset.range(8).batch(4))
+    options = tf.data.Options()
+    options.autotune.enabled = True
+    tuned = made.experimental_distribute_dataset(tf.data.Dataset.range(8).batch(4).with_options(options))
+    assert [d.options().autotune.enabled for d in plain._datasets] == [False]  # noqa: SLF001
+    assert [d.options().autotune.enabled for d in tuned._datasets] == [True]  # noqa: SLF001

@@ -154,6 +154,8 @@ class UnevenShares:
         """The dataset's batches, each cut into one piece per replica by share."""
         local = self.local_replicas
         structure = dataset.element_spec
+        if dataset.options().autotune.enabled is None:  # the user's own setting stands
+            dataset = dataset.with_options(_without_autotune())
         if not any(_has_rows(spec) for spec in tf.nest.flatten(structure)):
             raise ConfigError(
                 "dataset", structure, "has no batch axis: batch it first (dataset.batch(n))"
@@ -571,6 +573,16 @@ def _combined_by_share(var) -> bool:
 
 
 # -- helpers ---------------------------------------------------------------------------
+
+
+def _without_autotune():
+    """tf.data options with autotuning off, where the user set none: with it on, deleting
+    an iterator (Keras deletes one at the end of every fit, evaluation and prediction) was
+    seen to wait for a tf.data thread that sleeps 10 ms x 2^k, up to a minute and more
+    beside another busy process (BUILD_NOTES, "tf.data autotuning: off")."""
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return options
 
 
 def _checked_steps(field, value, allow_none=False):
