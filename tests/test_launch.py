@@ -351,15 +351,20 @@ def test_an_unprivileged_user_isolates_through_a_user_namespace(tmp_path):
     assert process.stdout.split() == ["65534", "True", "['lo']"]
 
 
-def test_flag_network_must_be_isolated_or_host():
-    process = subprocess.run(
-        [sys.executable, "-m", "tfdp.launch", "--network=open"],
+def refused(*args):
+    """`tfdp-launch ARGS` that stops before starting any worker."""
+    return subprocess.run(
+        [sys.executable, "-m", "tfdp.launch", *args],
         capture_output=True,
         text=True,
         env=environment(),
         cwd=ROOT,
         timeout=60,
     )
+
+
+def test_flag_network_must_be_isolated_or_host():
+    process = refused("--network=open")
     assert process.returncode == 2
     assert process.stderr.splitlines() == [
         "tfdp-launch: error: --network=open: must be one of isolated, host"
@@ -378,14 +383,7 @@ def test_flag_network_must_be_isolated_or_host():
     ],
 )
 def test_a_command_of_ones_own_is_refused_without_a_command_or_beside_tfdp_flags(args, line):
-    process = subprocess.run(
-        [sys.executable, "-m", "tfdp.launch", *args],
-        capture_output=True,
-        text=True,
-        env=environment(),
-        cwd=ROOT,
-        timeout=60,
-    )
+    process = refused(*args)
     assert process.returncode == 2
     assert process.stderr.splitlines() == [line]
 
