@@ -232,7 +232,7 @@ class UnevenShares:
                     )
             _local.fraction, _local.all_reduce = fraction, all_reduce
             try:
-                with shards.piece(fraction) as piece, (clock or _nothing()):
+                with shards.piece(fraction) as piece, (clock or contextlib.nullcontext()):
                     outputs = fn(*replica_args, **replica_kwargs)
                 if model is not None and not piece.scaled:
                     _say_not_weighed(model, fn)
@@ -606,11 +606,6 @@ def _checked_slowdown(slowdown, count):
 def _sleep_then_clock(_, seconds):
     time.sleep(max(float(seconds), 0.0))
     return np.float64(time.time())
-
-
-@contextlib.contextmanager
-def _nothing():
-    yield
 
 
 def _checked_powers(powers, count):
