@@ -267,7 +267,8 @@ WARNING = (
 )
 
 
-def refused(*args, timeout=240):
+def refused_isolation(*args, timeout=240):
+    """`tfdp-launch ARGS` on a machine that refuses network namespaces."""
     return subprocess.run(
         [sys.executable, "-c", REFUSE, "--workers=2", *args],
         capture_output=True,
@@ -280,7 +281,7 @@ def refused(*args, timeout=240):
 
 @pytest.mark.slow
 def test_refused_isolation_warns_and_runs_on_the_host_network():
-    process = refused(*TOY, "--iterations=2")
+    process = refused_isolation(*TOY, "--iterations=2")
     assert process.returncode == 0, process.stderr
     assert process.stderr.splitlines()[0] == WARNING
     for worker in (0, 1):
@@ -291,7 +292,7 @@ def test_refused_isolation_warns_and_runs_on_the_host_network():
 
 
 def test_refused_explicit_isolation_is_an_error():
-    process = refused("--network=isolated", *TOY, timeout=60)
+    process = refused_isolation("--network=isolated", *TOY, timeout=60)
     assert process.returncode == 2
     assert process.stderr.splitlines() == [
         (
