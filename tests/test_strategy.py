@@ -434,6 +434,28 @@ def test_auto_powers_move_work_off_a_slow_replica_and_stay_exact():
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
 
 
+def test_the_replicas_clocks_leave_their_steps_side_by_side():
+    """The clock and the simulated slowdown in each replica's part of a step are stateless
+    ops: with stateful ones (tf.timestamp, a stateful numpy_function) a tf.function runs
+    them in program order, and replica 1 would start only once replica 0 had slept."""
+    from tfdp import clock
+
+    mirrored = tfdp.MirroredStrategy(DEVICES)
+
+    @tf.function
+    def step(x):
+        def replica(x):
+            start = clock.read_after(x)
+            end = clock.sleep_then_read(start, 0.4)
+            return tf.stack([start, end])
+
+        return mirrored.experimental_local_results(mirrored.run(replica, args=(x,)))
+
+    step(tf.constant(1.0, tf.float64))
+    (start_0, end_0), (start_1, end_1) = [t.numpy() for t in step(tf.constant(1.0, tf.float64))]
+    assert start_1 < end_0 and start_0 < end_1, "one replica's sleep waited for the other's"
+
+
 TWO_WORKERS = '''
 import json, sys
 import keras

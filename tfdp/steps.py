@@ -9,11 +9,9 @@ shards (`split`, `shard_sizes_for`) is here too, so that every mode cuts alike.
 
 from __future__ import annotations
 
-import time
-
-import numpy as np
 import tensorflow as tf
 
+from tfdp import clock
 from tfdp import shards as shards_lib
 from tfdp.leaves import rows
 from tfdp.shards import add_gradients
@@ -150,7 +148,7 @@ class DeviceWork:
         n = num_examples(shard)
         start = None
         if self.timed or delay_per_example is not None:
-            start = _clock(tf.nest.flatten(shard, expand_composites=True)[0])
+            start = clock.read_after(tf.nest.flatten(shard, expand_composites=True)[0])
             with tf.control_dependencies([start]):  # the work starts after the clock is read
                 shard = _identity(shard)
         parts = cut(shard, self.chains) if self.chains > 1 else [shard]
@@ -168,14 +166,9 @@ class DeviceWork:
             gradients = [add_gradients(g, p) for g, p in zip(gradients, part_gradients)]
         seconds = tf.constant(0.0, tf.float64)
         if start is not None:
-            end = _clock(*tf.nest.flatten(gradients, expand_composites=True) or [n])
+            end = clock.read_after(*tf.nest.flatten(gradients, expand_composites=True) or [n])
             if delay_per_example is not None:
-                end = tf.numpy_function(
-                    _sleep_then_clock,
-                    [end, tf.cast(n, tf.float64) * delay_per_example],
-                    tf.float64,
-                    stateful=False,
-                )
+                end = clock.sleep_then_read(end, tf.cast(n, tf.float64) * delay_per_example)
             with tf.control_dependencies([end]):
                 gradients = _identity(gradients)  # released once the clock is read
             seconds = end - start
@@ -338,22 +331,3 @@ def clip_before_all_reduce(optimizer, gradients):
     clipped = optimizer._clip_gradients(summed)  # noqa: SLF001 - Keras' own clipping rule
     replicas = tf.cast(context.num_replicas_in_sync, clipped[0].dtype)
     return [g / replicas for g in clipped]
-
-
-def _clock(*tensors):
-    """The host clock, read once `tensors` are computed.
-
-    A stateless op: tf.function runs stateful ops in program order, which
-    would make each device's clock wait for the devices traced before it.
-    """
-    ready = [tf.reshape(t, [-1])[:1] for t in tensors]  # a slice waits for the whole tensor
-    return tf.numpy_function(_now, ready, tf.float64, stateful=False)
-
-
-def _now(*_):
-    return np.float64(time.perf_counter())
-
-
-def _sleep_then_clock(_, seconds):
-    time.sleep(float(seconds))
-    return _now()

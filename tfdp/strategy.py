@@ -31,14 +31,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-import time
 import warnings
 
-import numpy as np
 
 import tensorflow as tf
 from tensorflow.python.distribute import values_util
 
+from tfdp import clock as host_clock
 from tfdp import shards
 from tfdp.errors import ConfigError
 
@@ -127,7 +126,7 @@ class UnevenShares:
             [[replica]], [tf.where(tf.equal(calls, 2), per_example, self._slowdown_per_example[replica])]
         )[replica]
         sleep = tf.where(fixed > 0, fixed * tf.cast(rows, tf.float64), seconds) * (factor - 1.0)
-        return tf.numpy_function(_sleep_then_clock, [end, sleep], tf.float64)
+        return host_clock.sleep_then_read(end, sleep)
 
     def _account(self, rows, seconds):
         """One timed step's rows and seconds per replica, into the measurement window;
@@ -397,8 +396,7 @@ class _Clock:
     def __init__(self, strategy, context, rows, after):
         self.strategy, self.context, self.rows = strategy, context, rows
         self.replica = int(tf.get_static_value(context.replica_id_in_sync_group))
-        with tf.control_dependencies([after]):
-            self.start = tf.timestamp()
+        self.start = host_clock.read_after(after)
         self.end = None
 
     def __enter__(self):
@@ -417,8 +415,7 @@ class _Clock:
 
     def gradients_ready(self, value):
         leaves = [v for v in tf.nest.flatten(value, expand_composites=True) if tf.is_tensor(v)]
-        with tf.control_dependencies(leaves):
-            end = tf.timestamp()
+        end = host_clock.read_after(*leaves)
         factor = self.strategy.slowdown.get(self.replica)
         if factor:
             end = self.strategy._slow_down(self.replica, factor, self.start, end, self.rows)  # noqa: SLF001
@@ -601,11 +598,6 @@ def _checked_slowdown(slowdown, count):
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
             raise ConfigError("simulate_slowdown", slowdown, f"factor {factor!r} must be a number >= 1")
     return {replica: float(factor) for replica, factor in slowdown.items()}
-
-
-def _sleep_then_clock(_, seconds):
-    time.sleep(max(float(seconds), 0.0))
-    return np.float64(time.time())
 
 
 def _checked_powers(powers, count):
