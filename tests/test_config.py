@@ -54,6 +54,7 @@ def test_dataset_follows_the_model():
         (dict(chains=1.5), "chains"),
         (dict(chains=True), "chains"),
         (dict(mode="multiworker", chains=2), "chains"),
+        (dict(mode="mirrored", chains=2), "chains"),
         # TensorFlow truncates these to 0 microseconds (no limit), or aborts healthy steps
         (dict(mode="multiworker", collective_timeout=1e-9), "collective_timeout"),
         (dict(mode="multiworker", collective_timeout=0.5), "collective_timeout"),

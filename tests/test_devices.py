@@ -102,7 +102,9 @@ EVEN_OVER_FOUR = dict(logical_cpus=4, gpus=0, cores=2)
         # one CPU device cutting its shard into chains, one per core
         (Config(mode="single"), EVEN_OVER_FOUR, 1),
         (Config(mode="single", devices="cpu:2"), dict(logical_cpus=0, gpus=0, cores=8), 1),
-        (Config(mode="mirrored", chains=2), dict(logical_cpus=2, gpus=0, cores=2), 1),
+        (Config(mode="single", chains=2), dict(logical_cpus=0, gpus=0, cores=1), 1),
+        # several devices run each share in one piece: their kernels may use the cores
+        (Config(mode="mirrored", devices="cpu:0,cpu:1"), dict(logical_cpus=2, gpus=0, cores=8), 0),
         (Config(mode="single"), dict(logical_cpus=0, gpus=0, cores=1), 0),
         (Config(mode="single", chains=1), EVEN_OVER_FOUR, 0),
         (Config(mode="single"), dict(logical_cpus=0, gpus=1, cores=2), 0),

@@ -135,13 +135,13 @@ def test_banner_is_quiet_otherwise(devices, settings):
     assert "master weights" not in text
 
 
-def test_master_weights_and_update_live_on_device_0():
-    """devices[0] is CPU:2 here, not TensorFlow's default CPU:0: the model's weights,
-    optimizer state, gradient sum and update are placed there while it trains; the other
-    device computes its shard's forward and backward pass on its own; afterwards the
-    model's variables are where they were before."""
+def test_the_gradients_are_summed_on_device_0_and_each_device_trains_its_shard():
+    """devices[0] is CPU:2 here, not TensorFlow's default CPU:0: the gradients are summed
+    there (the tutorial's reduction) and the sum is sent to every device's copy of the
+    weights, which each device updates; each device computes its own shard's forward and
+    backward pass; afterwards the model's variables are where they were before."""
     from tfdp.models import built_in
-    from tfdp.trainers.weighted import WeightedTrainer
+    from tfdp.trainers import build_trainer
 
     model = built_in(Config(model="toy"), build=True)
 
@@ -149,21 +149,23 @@ def test_master_weights_and_update_live_on_device_0():
         return [v.value.device.endswith(device) for v in variables]
 
     assert on("device:CPU:0", model.weights) == [True] * 4  # two kernels, two biases
-    trainer = WeightedTrainer(model, ["/device:CPU:2", CPU0], [3, 3])
-    assert on("device:CPU:2", model.weights) == [True] * 4
-    assert on("device:CPU:2", trainer.optimizer.variables) == [True] * 2
+    config = Config(mode="weighted", model="toy", devices="cpu:2,cpu:0", batch_size=6)
+    trainer = build_trainer(config, ["/device:CPU:2", CPU0], [3, 3], model)
+    for weight in model.weights:
+        copies = trainer.strategy.experimental_local_results(weight.value)
+        assert [c.device.split("/")[-1] for c in copies] == ["device:CPU:2", "device:CPU:0"]
 
     batch = (tf.zeros((6, 128)), tf.zeros((6,), tf.int32))
     iterator = trainer.distribute(tf.data.Dataset.from_tensors(batch).repeat())
     trainer.train_step(iterator)
     graph = trainer._train_step.get_concrete_function(iterator).graph
-    sums = [op.device for op in graph.get_operations() if op.type == "AddN"]
-    updates = [op.device for op in graph.get_operations() if op.type == "AssignSubVariableOp"]
-    products = {op.device for op in graph.get_operations() if op.type == "MatMul"}
-    assert len(updates) == 4  # plain SGD: one per trainable variable
-    assert set(updates) == {"/device:CPU:2"}
-    assert sums and set(sums) == {"/device:CPU:2"}
-    assert products == {"/device:CPU:2", "/device:CPU:0"}  # each device its own shard's
+
+    def devices_of(kind):
+        return {op.device.split("/")[-1] for op in graph.get_operations() if op.type == kind}
+
+    assert devices_of("AddN") == {"device:CPU:2"}  # the gradients' sum
+    assert devices_of("AssignSubVariableOp") == {"device:CPU:2", "device:CPU:0"}  # each copy
+    assert devices_of("MatMul") == {"device:CPU:2", "device:CPU:0"}  # each device its own shard's
     trainer.close()
     assert on("device:CPU:0", model.weights) == [True] * 4
 

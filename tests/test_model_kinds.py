@@ -185,8 +185,8 @@ class RawVariable(keras.layers.Layer):
 
 def test_a_model_with_a_variable_keras_does_not_know_is_refused_in_one_line():
     """A tf.Variable that is not a Keras variable cannot be made again in a strategy's
-    scope: mirrored refuses it, naming it, before any step; single and weighted (whose
-    devices read the weights where they are) train the model as model.fit does."""
+    scope: mirrored and weighted refuse it, naming it, before any step; single trains the
+    model as model.fit does."""
     x, y = data()
 
     def model():
@@ -195,19 +195,19 @@ def test_a_model_with_a_variable_keras_does_not_know_is_refused_in_one_line():
             keras.Sequential([keras.Input((FEATURES,)), RawVariable(), keras.layers.Dense(CLASSES)])
         )
 
-    refused_model = model()
-    start = refused_model.get_weights()
-    with pytest.raises(ConfigError) as refused:
-        tfdp.fit(refused_model, x, y, batch_size=BATCH, verbose=0, **MODES["mirrored 2"])
-    assert refused.value.field == "model"
-    assert "tf.Variable" in refused.value.reason and ".scale" in refused.value.reason
-    assert "add_weight" in refused.value.reason and "\n" not in str(refused.value)
-    for have, want in zip(refused_model.get_weights(), start):
-        np.testing.assert_array_equal(have, want)  # nothing was trained
+    for mode in ("mirrored 2", "weighted [1, 3]"):
+        refused_model = model()
+        start = refused_model.get_weights()
+        with pytest.raises(ConfigError) as refused:
+            tfdp.fit(refused_model, x, y, batch_size=BATCH, verbose=0, **MODES[mode])
+        assert refused.value.field == "model"
+        assert "tf.Variable" in refused.value.reason and ".scale" in refused.value.reason
+        assert "add_weight" in refused.value.reason and "\n" not in str(refused.value)
+        for have, want in zip(refused_model.get_weights(), start):
+            np.testing.assert_array_equal(have, want)  # nothing was trained
     keras_model = model()
     keras_model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-    for mode in ("single", "weighted [1, 3]"):
-        trained = model()
-        tfdp.fit(trained, x, y, batch_size=BATCH, shuffle=False, verbose=0, **MODES[mode])
-        for have, want in zip(trained.get_weights(), keras_model.get_weights()):
-            np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
+    trained = model()
+    tfdp.fit(trained, x, y, batch_size=BATCH, shuffle=False, verbose=0, **MODES["single"])
+    for have, want in zip(trained.get_weights(), keras_model.get_weights()):
+        np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)

@@ -2,14 +2,12 @@
 `tfdp.fit` runs, as `model.fit` runs them: the same History (its keys too) and weights
 on one device; with uneven shares, exact where the step has Keras' own form, weighed by
 each device's examples where it computes its own mean loss (and said so in one line);
-a step that updates the weights itself is refused by weighted's device-0 sum."""
+keras.io's transfer-learning recipe (a frozen base with batch normalization) too."""
 
 import keras
 import numpy as np
-import pytest
 
 import tfdp
-from tfdp.errors import ConfigError
 
 EXAMPLES, FEATURES, BATCH = 96, 5, 32
 MODES = {
@@ -221,19 +219,51 @@ class OwnUpdates(keras.Model):
         return {**self.compute_metrics(x, y, y_pred), "loss": loss}
 
 
-def test_a_step_that_updates_the_weights_itself_is_refused_by_the_device0_sum():
-    """single runs it as model.fit does; weighted's device-0 sum cannot (one line naming
-    the step and the modes that can), before any update."""
-    want, runs = both(OwnUpdates, modes=["single"])
-    assert_same(runs["single"], want)
+def test_a_step_that_applies_an_optimizer_of_its_own_runs_as_model_fit_runs_it():
+    """A second optimizer of the step's own (as a GAN's): every mode runs the step under the
+    mode's strategy, its optimizer summing the devices' gradients as model.optimizer does."""
+    want, runs = both(OwnUpdates)
+    for mode, got in runs.items():
+        assert_same(got, want)
+
+
+def transfer_learning(fit):
+    """keras.io's transfer-learning recipe: a base with batch normalization, frozen and called
+    with training=False, under a new head; then the base unfrozen but its batch
+    normalization, and the whole model recompiled at a small learning rate. (Each fit's
+    History; the moving statistics after the first, and the weights at the end.)"""
+    keras.utils.set_random_seed(21)
+    base = keras.Sequential(
+        [keras.Input((FEATURES,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
+         keras.layers.Activation("relu")],
+        name="base",
+    )
+    base.trainable = False
+    inputs = keras.Input((FEATURES,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(base(inputs, training=False)))
+    model.compile(keras.optimizers.Adam(0.05), "mse")
+    first = fit(model, 2)
+    normalization = base.layers[1]
+    frozen = [normalization.moving_mean.numpy(), normalization.moving_variance.numpy()]
+    base.trainable = True
+    normalization.trainable = False  # its statistics stay frozen (Keras 3 reads no training=False here)
+    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    return first, fit(model, 2), frozen + model.get_weights()
+
+
+def test_keras_io_transfer_learning_recipe_trains_as_model_fit_does_in_every_mode():
+    """Batch statistics that Keras keeps frozen (training=False) stay frozen in every mode."""
     x, y = data()
-    model = compiled(seeded(OwnUpdates))
-    model(x[:1])
-    start = model.get_weights()
-    with pytest.raises(ConfigError) as refused:
-        tfdp.fit(model, x, y, batch_size=BATCH, verbose=0, **MODES["weighted [1, 3]"])
-    assert refused.value.field == "model"
-    assert "OwnUpdates.train_step applies its updates itself" in refused.value.reason
-    assert "use mode mirrored or single" in refused.value.reason
-    for have, before in zip(model.get_weights(), start):
-        np.testing.assert_array_equal(have, before)
+    arguments = dict(batch_size=BATCH, shuffle=False, verbose=0)
+    want = transfer_learning(lambda model, epochs: model.fit(x, y, epochs=epochs, **arguments).history)
+    for moving in (want[2][0], want[2][-4]):  # after each fit, Keras kept them
+        np.testing.assert_array_equal(moving, np.zeros(8))
+    for mode, settings in MODES.items():
+        got = transfer_learning(
+            lambda model, epochs: tfdp.fit(model, x, y, epochs=epochs, **arguments, **settings).history
+        )
+        for history, expected in zip(got[:2], want[:2]):
+            for name, values in expected.items():
+                np.testing.assert_allclose(history[name], values, rtol=1e-5, err_msg=mode)
+        for have, expected in zip(got[2], want[2], strict=True):
+            np.testing.assert_allclose(have, expected, rtol=1e-5, atol=1e-6, err_msg=mode)

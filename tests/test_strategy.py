@@ -193,6 +193,37 @@ def test_every_kind_of_model_gives_one_devices_results(kind):
     assert_same_results(run(make, arguments()), run(make, arguments(), strategy()))
 
 
+def test_each_outputs_loss_is_the_whole_batchs():
+    """Two outputs, a loss each: the logs of each output's loss (`a_loss`, `b_loss`) count
+    each replica by its share, as one device counts the batch."""
+    x, y = examples(193)
+
+    def make():
+        keras.utils.set_random_seed(2)
+        inputs = keras.Input((FEATURES,))
+        hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+        model = keras.Model(inputs, {"a": keras.layers.Dense(CLASSES, name="a")(hidden),
+                                     "b": keras.layers.Dense(1, name="b")(hidden)})
+        model.compile(keras.optimizers.SGD(0.2),
+                      loss={"a": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                            "b": "mse"},
+                      loss_weights={"a": 1.0, "b": 0.5})
+        return model
+
+    arguments = dict(x=x, y={"a": y, "b": x[:, :1]}, batch_size=64, epochs=2, shuffle=False,
+                     validation_data=(x[:50], {"a": y[:50], "b": x[:50, :1]}), verbose=0)
+    expected = make()
+    history = expected.fit(**arguments).history
+    with strategy().scope():
+        model = make()
+    got = model.fit(**arguments).history
+    assert {"a_loss", "b_loss", "val_a_loss"} <= set(history) and sorted(got) == sorted(history)
+    for name, values in history.items():
+        np.testing.assert_allclose(got[name], values, rtol=1e-5, err_msg=name)
+    for e, g in zip(expected.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
 def test_without_the_weighing_uneven_shares_would_not_be_one_device(monkeypatch):
     """The check above can fail: the same cut with Keras' own 1/R weight is off."""
     make = lambda: compiled(functional)  # noqa: E731
@@ -558,12 +589,48 @@ class OwnMeanLoss(Subclassed):
         return {"loss": loss}
 
 
-def test_a_loss_keras_cannot_weigh_is_said_in_one_line():
-    x, y = examples(64)
+def test_an_own_mean_loss_is_weighed_by_share_and_said_in_one_line():
+    """An own step's own mean loss, which Keras never sees to weigh: each replica's gradients
+    count by its share (one device's update, where TensorFlow's strategy sums the replicas'
+    means), said in one line."""
+    x, y = examples(96)
+
+    def make():
+        keras.utils.set_random_seed(2)
+        model = OwnMeanLoss()
+        model.compile(keras.optimizers.SGD(0.2, momentum=0.5))  # the step has its own loss
+        return model
+
+    expected = make()
+    expected.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     with strategy().scope():
-        model = compiled(OwnMeanLoss)
-    with pytest.warns(UserWarning, match=r"OwnMeanLoss.train_step computes its loss without Keras' loss functions"):
-        model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+        model = make()
+    with pytest.warns(UserWarning) as said:
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    lines = [str(w.message) for w in said if "OwnMeanLoss.train_step" in str(w.message)]
+    assert len(lines) == 1 and "weighed by its share of the batch's examples" in lines[0], lines
+    for e, g in zip(expected.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_clipping_acts_on_the_summed_gradient():
+    """global_clipnorm, clipnorm, clipvalue: Keras clips each replica's gradient before the
+    sum; under tfdp's strategy the sum is clipped, as on one device."""
+    x, y = examples(96)
+    for clip in ({"global_clipnorm": 0.05}, {"clipnorm": 0.02}, {"clipvalue": 0.004}):
+        def make():
+            keras.utils.set_random_seed(2)
+            model = functional()
+            model.compile(keras.optimizers.SGD(0.5, **clip), "sparse_categorical_crossentropy")
+            return model
+
+        expected = make()
+        expected.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        with strategy().scope():
+            model = make()
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        for e, g in zip(expected.get_weights(), model.get_weights()):
+            np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6, err_msg=str(clip))
 
 
 def test_the_tutorials_reduction_on_device_0_gives_one_devices_results():

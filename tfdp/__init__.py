@@ -34,10 +34,10 @@ _LAZY = {
     "load_mnist": "tfdp.data",
     "make_toy_data": "tfdp.data",
     "train_dataset": "tfdp.data",
-    "MirroredTrainer": "tfdp.trainers.mirrored",
+    "KerasStepTrainer": "tfdp.trainers.keras_step",
     "MirroredStrategy": "tfdp.strategy",
     "MultiWorkerMirroredStrategy": "tfdp.strategy",
-    "WeightedTrainer": "tfdp.trainers.weighted",
+    "SingleDeviceTrainer": "tfdp.trainers.single",
 }
 
 __all__ = ["Config", "ConfigError", "configure_logical_devices", "split_batch", *_LAZY]

@@ -317,8 +317,11 @@ def validate(config: Config) -> None:
         raise ConfigError("rebalance_every", config.rebalance_every, "must be 0 (never) or more")
     if isinstance(config.chains, bool) or not isinstance(config.chains, int) or config.chains < 0:
         raise ConfigError("chains", config.chains, "must be 0 (tfdp's choice) or more")
-    if config.chains and config.mode == "multiworker":
-        raise ConfigError("chains", config.chains, "applies to modes single, mirrored and weighted")
+    if config.chains > 1 and config.mode != "single":
+        raise ConfigError(
+            "chains", config.chains,
+            "applies to mode single (each device of a strategy runs its share in one piece)",
+        )
     if config.powers and config.mode not in ("weighted", "multiworker"):
         raise ConfigError(
             "powers",

@@ -225,7 +225,7 @@ def default_intra_op_threads(config, logical_cpus: int, gpus: int, cores: int) -
     1 when every global batch is split evenly over CPU devices (`single`,
     `mirrored`, or `weighted` with equal, fixed powers) and independent
     chains of kernels already keep every core busy: there are more devices
-    than cores, or each device cuts its shard into several chains
+    than cores, or mode single cuts its batch into several chains
     (`default_chains`). A kernel that also splits its own work over all
     cores then only adds hand-offs between threads. Otherwise 0,
     TensorFlow's default, under which a kernel may use every core: a CPU
@@ -257,15 +257,18 @@ def default_intra_op_threads(config, logical_cpus: int, gpus: int, cores: int) -
         cpus = len(devices) if all(":CPU:" in d for d in devices) else 0
     if not cpus:
         return 0
-    # tfdp cuts shards into chains only for its built-in models (see trainers.build_trainer):
-    # a model of the user's is not known before TensorFlow starts.
+    # tfdp cuts the batch into chains only in mode single, and by default only for its
+    # built-in models (see trainers.build_trainer): a model of the user's is not known
+    # before TensorFlow starts.
     built_in = config.model in ("lenet", "toy")
-    chains = config.chains or (max(1, cores // cpus) if built_in else 1)
+    chains = 1
+    if config.mode == "single":
+        chains = config.chains or (max(1, cores // cpus) if built_in else 1)
     return 1 if cpus > cores or chains > 1 else 0
 
 
 def default_chains(devices: list[str], cores: int) -> int:
-    """How many side-by-side parts each device cuts its shard into, when not chosen.
+    """How many side-by-side parts mode single cuts its batch into, when not chosen.
 
     On CPUs only: the machine's cores over the CPU devices, at least 1. A lone
     CPU device on 2 cores runs its shard as 2 independent chains of

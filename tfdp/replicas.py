@@ -86,7 +86,7 @@ def check_no_raw_variables(model) -> None:
             model.name,
             f"holds a tf.Variable made outside Keras ({', '.join(found)}): it cannot be "
             "made again on every device; make it with layer.add_weight, or train in mode "
-            "single or weighted (--reduce=device0), which keep it where it is",
+            "single, which keeps it where it is",
         )
 
 

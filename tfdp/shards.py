@@ -161,7 +161,7 @@ class Handed:
             if gradient is None:
                 continue
             if weight is not None:
-                gradient = _weighed(gradient, weight)
+                gradient = weighed(gradient, weight)
             key = id(variable)
             if key in self.gradients:
                 self.gradients[key] = add_gradients(self.gradients[key], gradient)
@@ -183,7 +183,7 @@ def add_gradients(a, b):
     return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
 
-def _weighed(gradient, weight):
+def weighed(gradient, weight):
     """A gradient times `weight` (a sparse one's rows)."""
     if isinstance(gradient, tf.IndexedSlices):
         values = gradient.values * tf.cast(weight, gradient.values.dtype)
@@ -196,25 +196,29 @@ def weighing_output_losses(model, fraction):
     """Inside: the trackers of each output's loss (a multi-output model's `kind_loss`) count a
     piece by `fraction` where Keras counts a step once. Keras weighs those updates by the
     batch's static size, unknown in a traced step, so each step counts once on one device;
-    the pieces of a step, weighed by their share, then add up to that step, however uneven."""
+    the pieces of a step, weighed by their share, then add up to that step, however uneven.
+    The weight is the thread's own (a strategy traces its replicas in threads of their own);
+    a tracker keeps tfdp's wrapper, which outside a piece is Keras' own update."""
     compile_loss = getattr(model, "_compile_loss", None)
-    trackers = list(getattr(compile_loss, "metrics", None) or [])
-
-    def weighed(update_state):
-        def update(values, sample_weight=None):
-            if sample_weight is None:
-                sample_weight = fraction
-            return update_state(values, sample_weight=sample_weight)
-
-        return update
-
-    for tracker in trackers:
-        tracker.update_state = weighed(tracker.update_state)
+    for tracker in list(getattr(compile_loss, "metrics", None) or []):
+        if "update_state" not in vars(tracker):
+            tracker.update_state = _weighed_by_piece(tracker.update_state)
+    outer = getattr(_local, "output_fraction", None)
+    _local.output_fraction = fraction
     try:
         yield
     finally:
-        for tracker in trackers:
-            del tracker.update_state
+        _local.output_fraction = outer
+
+
+def _weighed_by_piece(update_state):
+    def update(values, sample_weight=None):
+        fraction = getattr(_local, "output_fraction", None)
+        if sample_weight is None and fraction is not None:
+            sample_weight = fraction
+        return update_state(values, sample_weight=sample_weight)
+
+    return update
 
 
 def train_piece(model, data, fraction):

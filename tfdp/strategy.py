@@ -79,8 +79,14 @@ class UnevenShares:
             self._measured = tf.Variable(tf.zeros([count], tf.float64), trainable=False)
             self._slowdown_calls = tf.Variable(tf.zeros([count], tf.int64), trainable=False)
             self._slowdown_per_example = tf.Variable(tf.zeros([count], tf.float64), trainable=False)
+            self._last_seconds = tf.Variable(tf.zeros([count], tf.float64), trainable=False)
+        self._reports_seconds = False
+        self.notes = []  # how it ran a model's own step, where not as Keras would (one line each)
+        self.warn_notes = True
+        self._sleep_per_example = None
         shards.install()
         _install_assign_by_share()
+        _install_clip_of_the_sum()
         _install_keras_functions()
 
     @property
@@ -106,6 +112,28 @@ class UnevenShares:
         may already be cut, and are weighed by the rows they hold, so the update stays exact)."""
         self.powers = _checked_powers(powers, self.num_replicas_in_sync)
         self._shares.assign(_shares(self.powers))
+
+    def report_seconds(self, sleep_per_example=None) -> None:
+        """Every step from now on times each replica (`last_seconds`), as a driver that
+        balances the replicas itself reads them (tfdp.fit). `sleep_per_example`: seconds per
+        example each replica sleeps before its gradients leave (a simulated slowdown set by
+        the driver; zeros for none), in place of `simulate_slowdown`'s own calibration.
+        Takes effect in steps traced after it."""
+        self._reports_seconds = True
+        if sleep_per_example is not None:
+            with tf.init_scope(), tf.device("/cpu:0"):
+                self._sleep_per_example = tf.Variable(
+                    sleep_per_example, dtype=tf.float64, trainable=False, name="tfdp_sleep"
+                )
+
+    def set_sleep_per_example(self, seconds) -> None:
+        """New seconds of sleep per example for each replica (see `report_seconds`)."""
+        self._sleep_per_example.assign(seconds)
+
+    @property
+    def last_seconds(self) -> tf.Tensor:
+        """Each replica's seconds in the last timed step (with `report_seconds`)."""
+        return self._last_seconds.read_value()
 
     def piece_bounds(self, rows):
         """Where a batch of `rows` rows is cut: R+1 increasing row indices from 0 to rows."""
@@ -210,7 +238,7 @@ class UnevenShares:
         model = _trainer_of(fn)
         fn = autograph.tf_convert(fn, ag_ctx.control_status_ctx(), convert_by_default=False)
 
-        timed = self.auto or bool(self.slowdown)
+        timed = self.auto or bool(self.slowdown) or self._reports_seconds
 
         @tf.autograph.experimental.do_not_convert
         def weighed(*replica_args, **replica_kwargs):
@@ -230,20 +258,52 @@ class UnevenShares:
                         tf.identity, (replica_args, replica_kwargs), expand_composites=True
                     )
             _local.fraction, _local.all_reduce = fraction, all_reduce
+            _local.own_loss = model is not None and shards.overrides(model, fn.__name__)
+            _local.weighed_own = False
             try:
-                with shards.piece(fraction) as piece, (clock or contextlib.nullcontext()):
+                outputs_weighed = (
+                    shards.weighing_output_losses(model, fraction) if model is not None
+                    else contextlib.nullcontext()
+                )
+                with shards.piece(fraction) as piece, outputs_weighed, (clock or contextlib.nullcontext()):
                     outputs = fn(*replica_args, **replica_kwargs)
                 if model is not None and not piece.scaled:
-                    _say_not_weighed(model, fn)
+                    self._say_not_scaled(model, fn, _local.weighed_own)
                 if clock is not None:
                     clock.record(all_reduce)
                 if model is not None and isinstance(outputs, dict):
                     outputs = whole_batch_logs(model, outputs, fraction, context, all_reduce)
             finally:
-                _local.fraction = _local.all_reduce = None
+                _local.fraction = _local.all_reduce = _local.own_loss = None
             return outputs
 
         return super().run(weighed, args=args, kwargs=kwargs or {}, options=options)
+
+    def _say_not_scaled(self, model, fn, weighed) -> None:
+        """One line, once per strategy and step, for an own step whose loss Keras never
+        scaled (`notes`; also a warning unless a driver reports the notes itself)."""
+        name = f"{type(model).__name__}.{fn.__name__}"
+        if fn.__name__ != "train_step" or not shards.overrides(model, "train_step"):
+            return
+        if not model.trainable_weights:
+            return
+        if weighed:
+            note = (
+                f"{name} computes its loss without Keras' loss functions (compute_loss): each "
+                "replica's gradients are weighed by its share of the batch's examples, which is "
+                "exact for a loss that is a mean over the batch"
+            )
+        else:
+            note = (
+                f"{name} computes its loss without Keras' loss functions and hands no gradients "
+                "to an optimizer: its update is not weighed by each replica's share of the "
+                "batch, and is not one device's; compute the loss with self.compute_loss(...)"
+            )
+        if note in self.notes:
+            return
+        self.notes.append(note)
+        if self.warn_notes:
+            warnings.warn(f"tfdp.MirroredStrategy: {note}", stacklevel=3)
 
     def reduce(self, reduce_op, value, axis=None):
         """TensorFlow's reduce, but: pieces of a batch whose shapes differ, reduced with
@@ -417,15 +477,19 @@ class _Clock:
         leaves = [v for v in tf.nest.flatten(value, expand_composites=True) if tf.is_tensor(v)]
         end = host_clock.read_after(*leaves)
         factor = self.strategy.slowdown.get(self.replica)
-        if factor:
+        given = self.strategy._sleep_per_example  # noqa: SLF001
+        if given is not None:
+            end = host_clock.sleep_then_read(end, given[self.replica] * tf.cast(self.rows, tf.float64))
+        elif factor:
             end = self.strategy._slow_down(self.replica, factor, self.start, end, self.rows)  # noqa: SLF001
         self.end = end
         with tf.control_dependencies([end]):
             return tf.nest.map_structure(tf.identity, value, expand_composites=True)
 
     def record(self, all_reduce):
-        if self.end is None or not self.strategy.auto:  # no gradients (an evaluation step)
-            return
+        strategy = self.strategy
+        if self.end is None or not (strategy.auto or strategy._reports_seconds):  # noqa: SLF001
+            return  # (no gradients: an evaluation step)
         count = self.strategy.num_replicas_in_sync
         mine = tf.one_hot(self.replica, count, dtype=tf.float64)
         seconds = tf.maximum(self.end - self.start, 1e-9)
@@ -433,8 +497,10 @@ class _Clock:
             tf.distribute.ReduceOp.SUM,
             tf.concat([mine * tf.cast(self.rows, tf.float64), mine * seconds], 0),
         )
-        if self.replica % self.strategy.local_replicas == 0:  # one replica per worker keeps the books
-            self.strategy._account(both[:count], both[count:])  # noqa: SLF001
+        if self.replica % strategy.local_replicas == 0:  # one replica per worker keeps the books
+            if strategy.auto:
+                strategy._account(both[:count], both[count:])  # noqa: SLF001
+            strategy._last_seconds.assign(both[count:])  # noqa: SLF001
 
 
 # -- Keras' step functions under this strategy -------------------------------------------
@@ -569,6 +635,52 @@ def _combined_by_share(var) -> bool:
     )
 
 
+# -- gradient clipping, of the summed gradient ------------------------------------------
+
+_clip_installed = {}
+
+
+def _install_clip_of_the_sum() -> None:
+    """Inside a weighted replica step of tfdp's strategy, the gradients an own step whose
+    loss Keras never scaled (its own mean) hands to the optimizer are weighed by the
+    replica's share (exact for a mean over the batch), and an optimizer that clips
+    (clipnorm, clipvalue, global_clipnorm) clips the gradient summed over the replicas,
+    as on one device: Keras clips each replica's gradient before its all-reduce, which
+    depends on the pieces. The replicas' gradients are summed, clipped by Keras' own rule,
+    and each replica hands on 1/R of the result: Keras' clip then leaves each part as it
+    is (each is within the bound) and its all-reduce sums them to the clipped sum. One
+    more all-reduce per step, only where the optimizer clips."""
+    if _clip_installed:
+        return
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    keras_clip = BaseOptimizer._clip_gradients  # noqa: SLF001
+
+    def _clip_gradients(self, grads):
+        all_reduce = getattr(_local, "all_reduce", None)
+        if all_reduce is None:
+            return keras_clip(self, grads)
+        piece = shards.current()
+        if _local.own_loss and piece is not None and not piece.scaled:
+            # an own step's own mean loss: its gradients count by the replica's share
+            grads = [None if g is None else shards.weighed(g, _local.fraction) for g in grads]
+            _local.weighed_own = True
+        clips = any(getattr(self, name, None) for name in ("clipnorm", "clipvalue", "global_clipnorm"))
+        if not clips:
+            return keras_clip(self, grads)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        summed = all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in present])
+        clipped = keras_clip(self, list(summed))
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        grads = list(grads)
+        for i, g in zip(present, clipped):
+            grads[i] = g / tf.cast(replicas, g.dtype)
+        return keras_clip(self, grads)
+
+    BaseOptimizer._clip_gradients = _clip_gradients  # noqa: SLF001
+    _clip_installed["clip"] = keras_clip
+
+
 # -- helpers ---------------------------------------------------------------------------
 
 
@@ -652,27 +764,6 @@ def _rows(leaf, start, stop):
     if tf.is_tensor(leaf) and leaf.shape.rank is not None and leaf.shape.rank >= 1:
         return leaf[start:stop]
     return leaf
-
-
-_said = set()
-
-
-def _say_not_weighed(model, fn) -> None:
-    """One line, once per model class, for an own step whose loss Keras never scaled: its
-    replicas' gradients are summed as they are, which is not one device's update."""
-    name = f"{type(model).__name__}.{fn.__name__}"
-    if fn.__name__ != "train_step" or not shards.overrides(model, "train_step"):
-        return
-    if not model.trainable_weights or name in _said:
-        return
-    _said.add(name)
-    warnings.warn(
-        f"tfdp.MirroredStrategy: {name} computes its loss without Keras' loss functions "
-        "(self.compute_loss or a keras.losses.Loss), so its loss is not weighed by each "
-        "replica's share of the batch and its update is not one device's (each replica's "
-        "gradients count in full); compute the loss with self.compute_loss(...)",
-        stacklevel=2,
-    )
 
 
 def _placed(context, strategy):

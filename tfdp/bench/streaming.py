@@ -292,8 +292,8 @@ def train(spec: StreamSpec, devices: list[str], data, steps: int, clock, batch_s
 
     import tfdp
     from tfdp.devices import short_name
-    from tfdp.trainers.mirrored import MirroredTrainer
-    from tfdp.trainers.weighted import WeightedTrainer
+    from tfdp.trainers.keras_step import KerasStepTrainer
+    from tfdp.trainers.single import SingleDeviceTrainer
 
     if spec.system == "keras":
         strategy = tf.distribute.MirroredStrategy(devices) if len(devices) > 1 else None
@@ -308,7 +308,7 @@ def train(spec: StreamSpec, devices: list[str], data, steps: int, clock, batch_s
         settings["powers"] = spec.powers
     inputs = (data, None) if spec.source == "stream" else data
     batch = batch_size if spec.source == "arrays" else None
-    trainers = (WeightedTrainer, MirroredTrainer)  # single is WeightedTrainer on one device
+    trainers = (SingleDeviceTrainer, KerasStepTrainer)
     original = [trainer.train_step for trainer in trainers]
     for trainer, step in zip(trainers, original):
         trainer.train_step = calls.wrap(step)

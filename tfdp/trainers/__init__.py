@@ -1,10 +1,9 @@
-"""One trainer per mode, behind one interface (`base.Trainer`).
+"""The trainer of each mode, behind one interface (`base.Trainer`).
 
-single       WeightedTrainer on one device: no split, no copies
-mirrored     MirroredTrainer: tf.distribute.MirroredStrategy, near-equal shards
-weighted     WeightedTrainer (--reduce=device0, the tutorial) or
-             MirroredTrainer with uneven shards (--reduce=allreduce; with XLA, whose
-             programs read no weight of another device, reduced to device 0)
+single       SingleDeviceTrainer: the model on one device, no split, no copies
+mirrored     KerasStepTrainer: the model's own step under tfdp.MirroredStrategy, even shares
+weighted     KerasStepTrainer with the run's uneven shares; the gradients summed on
+             device 0 and sent back (--reduce=device0, the tutorial) or all-reduced
 multiworker  MultiWorkerTrainer: one process per worker of TF_CONFIG
 """
 
@@ -36,12 +35,26 @@ def build_trainer(
         from tfdp.trainers import multiworker
 
         return multiworker.build(config, shards, model, jit_compile)
-    from tfdp.trainers.mirrored import MirroredTrainer
-    from tfdp.trainers.weighted import WeightedTrainer
+    from tfdp.trainers.keras_step import KerasStepTrainer
+    from tfdp.trainers.single import SingleDeviceTrainer
 
     slowdown = bool(config.simulate_slowdown)
     # The host clock in the step (a device-to-host sync on a GPU) only where it is read.
     timed = config.powers == AUTO or bool(config.rebalance_every) or slowdown
+    if len(devices) > 1:
+        even = config.mode == "mirrored"
+        return KerasStepTrainer(
+            model,
+            devices,
+            shards,
+            reduce="allreduce" if even else config.reduce,
+            all_reduce=config.all_reduce,
+            input=config.mirrored_input if even else "split",
+            balanced=not even,
+            slowdown=slowdown,
+            timed=timed,
+            jit_compile=jit_compile,
+        )
     # By default, only the built-in models are cut into chains: the threads per kernel
     # are chosen for them before TensorFlow starts (devices.default_intra_op_threads),
     # and chains would compute batch statistics on parts of a shard.
@@ -50,35 +63,7 @@ def build_trainer(
         if config.model in MODELS and not models.has_batch_statistics(model)
         else 1
     )
-    # A batch with fewer examples than devices leaves a device without any.
-    smallest = config.batch_size if smallest_batch is None else smallest_batch
-    may_be_empty = min(smallest, config.batch_size) < len(devices)
-    common = dict(
-        slowdown=slowdown, chains=chains, timed=timed, jit_compile=jit_compile,
-        may_be_empty=may_be_empty,
+    return SingleDeviceTrainer(
+        model, devices[0], shards[0], slowdown=slowdown, chains=chains, timed=timed,
+        jit_compile=jit_compile,
     )
-    if config.mode == "mirrored":
-        return MirroredTrainer(
-            model,
-            devices,
-            config.batch_size,
-            all_reduce=config.all_reduce,
-            input=config.mirrored_input,
-            **common,
-        )
-    if config.reduce == "allreduce":  # weighted shards, MirroredStrategy replicas
-        return MirroredTrainer(
-            model,
-            devices,
-            config.batch_size,
-            all_reduce=config.all_reduce,
-            shards=shards,
-            **common,
-        )
-    if jit_compile and len(devices) > 1:
-        # XLA reads no variable of another device: each device keeps a replica, and
-        # the gradients are summed on device 0 and sent back (the same update).
-        return MirroredTrainer(
-            model, devices, config.batch_size, all_reduce="reduce_to_one", shards=shards, **common
-        )
-    return WeightedTrainer(model, devices, shards, balanced=config.mode == "weighted", **common)

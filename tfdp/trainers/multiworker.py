@@ -35,6 +35,8 @@ import shutil
 import tempfile
 import time
 
+import tensorflow as tf
+
 from tfdp import shards as shards_lib
 from tfdp.checkpoints import Checkpointer
 from tfdp.cluster import (
@@ -50,9 +52,23 @@ from tfdp.exchange import Cluster
 from tfdp.replicas import Placement
 from tfdp.signals import SIGNALS
 from tfdp.split import WorkerSplit
-from tfdp.steps import DeviceWork, cut
+from tfdp.steps import DeviceWork, cut, with_metrics
 from tfdp.trainers.base import Trainer
-from tfdp.trainers.mirrored import replica_logs
+
+
+def replica_logs(strategy, model, logs, held):
+    """A step's logs from its replicas': the model's metrics read across the replicas
+    (the whole batch's), its other logs the mean over the replicas that held examples
+    (Keras' fit takes the mean over all of them)."""
+    weights = [tf.cast(h, tf.float32) for h in strategy.experimental_local_results(held)]
+    count = tf.maximum(tf.add_n(weights), 1.0)
+
+    def mean(value):
+        values = strategy.experimental_local_results(value)
+        summed = tf.add_n([tf.cast(v, tf.float32) * w for v, w in zip(values, weights)])
+        return tf.cast(summed / count, values[0].dtype)
+
+    return with_metrics(model, tf.nest.map_structure(mean, logs))
 
 
 class MultiWorkerTrainer(Trainer):
