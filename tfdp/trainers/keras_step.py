@@ -109,7 +109,7 @@ class KerasStepTrainer(Trainer):
         if not self.balanced:
             return ""
         if self.all_reduce == "reduce_to_one":
-            return "; gradients summed on device0 and sent back to the replicas"
+            return "; gradients summed on device0 and sent back"
         return "; gradients summed by allreduce"
 
     def notes(self) -> list[str]:
