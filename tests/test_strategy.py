@@ -193,6 +193,20 @@ def test_every_kind_of_model_gives_one_devices_results(kind):
     assert_same_results(run(make, arguments()), run(make, arguments(), strategy()))
 
 
+def test_metrics_of_mixed_dtypes_give_the_whole_batchs_logs():
+    """An IoU metric (a float64 confusion matrix) beside float32 ones."""
+    def make():
+        keras.utils.set_random_seed(2)
+        model = functional()
+        model.compile(keras.optimizers.SGD(0.2),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy", keras.metrics.MeanIoU(CLASSES, sparse_y_pred=False, name="iou")])
+        return model
+
+    arguments = lambda: fit_arguments("arrays")  # noqa: E731
+    assert_same_results(run(make, arguments()), run(make, arguments(), strategy()))
+
+
 def test_each_outputs_loss_is_the_whole_batchs():
     """Two outputs, a loss each: the logs of each output's loss (`a_loss`, `b_loss`) count
     each replica by its share, as one device counts the batch."""

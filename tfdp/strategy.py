@@ -420,7 +420,7 @@ def whole_batch_logs(model, logs, fraction, context, all_reduce=None):
     if variables:
         values = [tf.convert_to_tensor(v.value) for v in variables]
         summable = [i for i, v in enumerate(variables) if v.aggregation in ("sum", "mean")]
-        reduced = all_reduce(tf.distribute.ReduceOp.SUM, [_as_float(values[i]) for i in summable])
+        reduced = _sum_by_dtype(all_reduce, [_as_float(values[i]) for i in summable])
         count = float(context.num_replicas_in_sync)
         for i, value in zip(summable, reduced):
             if variables[i].aggregation == "mean":
@@ -791,6 +791,18 @@ def _trainer_of(fn):
     if isinstance(owner, Trainer) and name in ("train_step", "test_step"):
         return owner
     return None
+
+
+def _sum_by_dtype(all_reduce, values):
+    """The replicas' sums of `values`, one all-reduce per dtype (TensorFlow packs a list
+    into one tensor, which fails on mixed dtypes: a float64 confusion matrix beside
+    float32 totals)."""
+    sums = [None] * len(values)
+    for dtype in sorted({v.dtype for v in values}, key=lambda d: d.name):  # the same order on every replica
+        indices = [i for i, v in enumerate(values) if v.dtype == dtype]
+        for i, total in zip(indices, all_reduce(tf.distribute.ReduceOp.SUM, [values[i] for i in indices])):
+            sums[i] = total
+    return sums
 
 
 def _as_float(value):
