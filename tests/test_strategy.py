@@ -479,6 +479,27 @@ def test_auto_powers_move_work_off_a_slow_replica_and_stay_exact():
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
 
 
+def test_the_simulated_slowdown_sleeps_in_every_step(monkeypatch):
+    """The slow replica's sleep runs in every step, with even shares given (nothing reads
+    its clock there: a sleep only ordered before the gradients' hand-over was pruned)."""
+    from tfdp import clock
+
+    slept = []
+    sleep_then_now = clock._sleep_then_now  # noqa: SLF001
+
+    def counted(after, seconds):
+        slept.append(float(seconds))
+        return sleep_then_now(after, seconds)
+
+    monkeypatch.setattr(clock, "_sleep_then_now", counted)
+    slow = tfdp.MirroredStrategy(DEVICES, simulate_slowdown={1: 2})
+    with slow.scope():
+        model = compiled(functional)
+    x, y = examples(96)
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    assert len(slept) == 6, slept  # one per step, on replica 1 only
+
+
 def test_the_replicas_clocks_leave_their_steps_side_by_side():
     """The clock and the simulated slowdown in each replica's part of a step are stateless
     ops: with stateful ones (tf.timestamp, a stateful numpy_function) a tf.function runs

@@ -483,8 +483,9 @@ class _Clock:
         elif factor:
             end = self.strategy._slow_down(self.replica, factor, self.start, end, self.rows)  # noqa: SLF001
         self.end = end
-        with tf.control_dependencies([end]):
-            return tf.nest.map_structure(tf.identity, value, expand_composites=True)
+        # The gradients leave after the clock (and the sleep): a data dependency, as a
+        # control dependency on a stateless op is pruned when nothing reads its value.
+        return tf.nest.map_structure(lambda leaf: _after(leaf, end), value)
 
     def record(self, all_reduce):
         strategy = self.strategy
@@ -791,6 +792,16 @@ def _trainer_of(fn):
     if isinstance(owner, Trainer) and name in ("train_step", "test_step"):
         return owner
     return None
+
+
+def _after(leaf, clock):
+    """`leaf` (a tensor, or a sparse gradient's rows), computed only once `clock` is."""
+    if isinstance(leaf, tf.IndexedSlices):
+        return tf.IndexedSlices(_after(leaf.values, clock), leaf.indices, leaf.dense_shape)
+    if not tf.is_tensor(leaf) or not (leaf.dtype.is_floating or leaf.dtype.is_complex):
+        with tf.control_dependencies([clock]):
+            return tf.identity(leaf)
+    return leaf + tf.cast(clock * 0.0, leaf.dtype)
 
 
 def _sum_by_dtype(all_reduce, values):
