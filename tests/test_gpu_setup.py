@@ -1,4 +1,4 @@
-"""Ready for GPUs, without one: device order, where the master weights live, GPU memory
+"""Ready for GPUs, without one: device order, where the gradients are summed, GPU memory
 set-up and one worker's GPUs under tfdp-launch.
 
 There is no GPU here. The checks that depend on GPUs are functions of device names,
@@ -68,7 +68,7 @@ def test_default_devices_put_a_gpu_first(mode, available, devices):
     assert parse_devices(default_devices(mode, available), available) == devices
 
 
-# The master weights on a CPU ------------------------------------------------------------
+# The gradients' sum on a CPU ------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -88,8 +88,8 @@ def test_master_on_cpu_only_when_a_gpu_takes_part(devices, suggestion):
         assert sentence is None
     else:
         assert sentence == (
-            f"device 0 is {devices[0][len('/device:') :]}, so the master weights and the update "
-            f"sit on the CPU while a GPU takes part; put the GPU first, e.g. {suggestion}"
+            f"device 0 is {devices[0][len('/device:') :]}, so the gradients are summed on the "
+            f"CPU while a GPU takes part; put the GPU first, e.g. {suggestion}"
         )
 
 
@@ -108,7 +108,7 @@ def plan_on(devices, **settings):
 
 
 WARNING = (
-    "; warning: device 0 is CPU:0, so the master weights and the update sit on the CPU while "
+    "; warning: device 0 is CPU:0, so the gradients are summed on the CPU while "
     "a GPU takes part; put the GPU first, e.g. --devices=gpu:0,cpu:0"
 )
 
@@ -132,7 +132,7 @@ def test_banner_warns_of_a_cpu_device_0_beside_a_gpu():
 def test_banner_is_quiet_otherwise(devices, settings):
     text = banner(plan_on(devices, **settings), FakeTrainer(), 0, [4, 4])
     assert "warning" not in text
-    assert "master weights" not in text
+    assert "summed on the CPU" not in text
 
 
 def test_the_gradients_are_summed_on_device_0_and_each_device_trains_its_shard():

@@ -201,16 +201,16 @@ def gpus_first(devices) -> list[str]:
 def master_on_cpu(devices: Sequence[str]) -> str | None:
     """A sentence for a weighted run whose device 0 is a CPU while a GPU takes part; else None.
 
-    Device 0 holds the master weights and the optimizer's slots, receives every
-    other device's gradients and applies the update (trainers/weighted.py):
-    on a CPU, the GPU waits for it at every step.
+    Device 0 receives every other device's gradients, sums them and sends the sum
+    back (the strategy's reduction to device 0, trainers/keras_step.py): on a CPU,
+    the GPU waits for it at every step.
     """
     if not devices or ":CPU:" not in devices[0] or not any(":GPU:" in d for d in devices):
         return None
     reordered = ",".join(short_name(d).lower() for d in gpus_first(devices))
     return (
-        f"device 0 is {short_name(devices[0])}, so the master weights and the update sit on "
-        f"the CPU while a GPU takes part; put the GPU first, e.g. --devices={reordered}"
+        f"device 0 is {short_name(devices[0])}, so the gradients are summed on the CPU "
+        f"while a GPU takes part; put the GPU first, e.g. --devices={reordered}"
     )
 
 

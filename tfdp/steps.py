@@ -43,20 +43,6 @@ def unknown_batch_size(batch):
     return tf.nest.map_structure(relaxed, batch)
 
 
-def sum_gradients(per_device):
-    """Lists of gradients (one per device, in the same order) -> their sums."""
-    sums = []
-    for gradients in zip(*per_device):
-        if all(isinstance(g, tf.Tensor) for g in gradients):
-            sums.append(tf.add_n(list(gradients)))
-            continue
-        total = gradients[0]
-        for gradient in gradients[1:]:
-            total = add_gradients(total, gradient)
-        sums.append(total)
-    return sums
-
-
 def zeros_like_gradient(gradient, variable):
     """What an empty piece adds to `variable`'s gradient, like `gradient`: nothing (no rows,
     for a sparse one). Made from shapes alone, so that it may stand in another branch."""
@@ -237,16 +223,6 @@ class DeviceWork:
 
 def _tensors(logs):
     return tf.nest.map_structure(tf.convert_to_tensor, logs)
-
-
-def merged_logs(model, per_device, has_examples):
-    """A step's logs from its devices' (in a local trainer): the metrics' values read
-    after every device's update (the whole batch's running values), and the model's
-    other logs from the last device that held examples."""
-    logs = per_device[0]
-    for device_logs, held in zip(per_device[1:], has_examples[1:]):
-        logs = tf.nest.map_structure(lambda new, old: tf.where(held, new, old), device_logs, logs)
-    return with_metrics(model, logs)
 
 
 def with_metrics(model, logs):

@@ -9,8 +9,8 @@ scaling table measures them):
   keras fit                    gpu:0, no strategy (what OneDeviceStrategy runs)
   tfdp mirrored xN             every GPU (with 2 or more)
   keras fit mirrored xN        MirroredStrategy over every GPU
-  tfdp weighted gpu+cpu auto   gpu:0,cpu:0 with --powers=auto (the GPU first: it holds
-                               the master weights)
+  tfdp weighted gpu+cpu auto   gpu:0,cpu:0 with --powers=auto (the GPU first: it sums
+                               the gradients)
   keras fit mirrored gpu+cpu   MirroredStrategy over gpu:0 and cpu:0: Keras has no
                                weighted split, so it splits each batch evenly
 
