@@ -776,6 +776,28 @@ def _round_robin_gives_replica_i_piece_i():
     assert [list(p) for p in pieces] == [[0, 1], [2, 3, 4, 5, 6, 7]]
 
 
+def _optimizers_clip_before_their_all_reduce():
+    """Keras' optimizer clips in `BaseOptimizer._clip_gradients(grads)`, inside the replica,
+    before `_backend_update_step`, whose TensorFlow version sums the replicas' gradients
+    (tfdp's hook weighs and clips the sum there); each output's loss tracker is a metric
+    of `model._compile_loss.metrics` updated with `update_state(value, sample_weight=...)`."""
+    import inspect
+
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    from tfdp.strategy import _clip_installed
+
+    keras_clip = _clip_installed.get("clip", BaseOptimizer._clip_gradients)  # noqa: SLF001
+    assert list(inspect.signature(keras_clip).parameters) == ["self", "grads"]
+    apply = inspect.getsource(BaseOptimizer._backend_apply_gradients)  # noqa: SLF001
+    assert apply.index("self._clip_gradients(grads)") < apply.index("self._backend_update_step(")
+    assert "_all_reduce_sum_gradients" in inspect.getsource(TFOptimizer._backend_update_step)  # noqa: SLF001
+    from keras.src.trainers.compile_utils import CompileLoss
+
+    assert "update_state(" in inspect.getsource(CompileLoss.call)
+
+
 INTERNALS = {
     "keras.src.losses.loss.scale_loss_for_distribution": _loss_scaling_is_tfdps,
     "TensorFlowTrainer._make_function / make_predict_function / _maybe_symbolic_build": _keras_functions_are_there,
@@ -783,6 +805,7 @@ INTERNALS = {
     "MirroredStrategy._collective_key_base": _collective_keys_from_the_base,
     "values_util.on_write_assign": _assignment_goes_through_on_write_assign,
     "MultiDeviceIterator round robin": _round_robin_gives_replica_i_piece_i,
+    "BaseOptimizer._clip_gradients before the all-reduce; CompileLoss trackers": _optimizers_clip_before_their_all_reduce,
 }
 
 
