@@ -267,3 +267,24 @@ def test_keras_io_transfer_learning_recipe_trains_as_model_fit_does_in_every_mod
                 np.testing.assert_allclose(history[name], values, rtol=1e-5, err_msg=mode)
         for have, expected in zip(got[2], want[2], strict=True):
             np.testing.assert_allclose(have, expected, rtol=1e-5, atol=1e-6, err_msg=mode)
+
+
+def test_batches_of_one_example_over_two_devices_train_as_model_fit_does():
+    """A global batch smaller than the devices leaves one device none, every step."""
+    x, y = data()
+    x, y = x[:6], y[:6]
+
+    def make():
+        keras.utils.set_random_seed(21)
+        model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(2)])
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+        return model
+
+    want = make()
+    history = want.fit(x, y, batch_size=1, shuffle=False, verbose=0).history
+    for mode, settings in MODES.items():
+        model = make()
+        got = tfdp.fit(model, x, y, batch_size=1, shuffle=False, verbose=0, **settings).history
+        np.testing.assert_allclose(got["loss"], history["loss"], rtol=1e-5, err_msg=mode)
+        for have, expected in zip(model.get_weights(), want.get_weights(), strict=True):
+            np.testing.assert_allclose(have, expected, rtol=1e-5, atol=1e-6, err_msg=mode)

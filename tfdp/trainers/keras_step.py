@@ -77,8 +77,11 @@ class KerasStepTrainer(Trainer):
         self.input = input
         self.all_reduce = "reduce_to_one" if reduce == "device0" else all_reduce
         cross_device_ops = None if reduce == "device0" else cross_device_ops_for(all_reduce, devices)
+        # The shares cut a dataset (input "dataset"); a batch smaller than the devices
+        # leaves a replica none, which even shares give too.
+        powers = self.shards if min(self.shards) > 0 else None
         self.strategy = MirroredStrategy(
-            self.devices, powers=self.shards, reduce=reduce, cross_device_ops=cross_device_ops
+            self.devices, powers=powers, reduce=reduce, cross_device_ops=cross_device_ops
         )
         self.strategy.warn_notes = False  # the run says them (`notes`)
         if self.timed:
