@@ -288,3 +288,33 @@ def test_batches_of_one_example_over_two_devices_train_as_model_fit_does():
         np.testing.assert_allclose(got["loss"], history["loss"], rtol=1e-5, err_msg=mode)
         for have, expected in zip(model.get_weights(), want.get_weights(), strict=True):
             np.testing.assert_allclose(have, expected, rtol=1e-5, atol=1e-6, err_msg=mode)
+
+
+def test_a_multi_optimizer_trains_as_model_fit_trains_it_in_every_mode():
+    """Keras' MultiOptimizer (an optimizer per layer): every mode makes Keras' update; the
+    banner names whose learning rates apply (it has none of its own)."""
+    x, y = data()
+
+    def make():
+        keras.utils.set_random_seed(21)
+        model = keras.Sequential([
+            keras.Input((FEATURES,)), keras.layers.Dense(4, name="dense_1"),
+            keras.layers.Dense(2, name="dense_2"),
+        ])
+        optimizer = keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(
+            default_optimizer=keras.optimizers.SGD(0.1),
+            optimizer_map={".*dense_2/.*": keras.optimizers.Adam(0.01)},
+        ))
+        model.compile(optimizer, "mse")
+        return model
+
+    want = make()
+    history = want.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
+    for mode, settings in MODES.items():
+        lines, model = [], make()
+        got = tfdp.fit(model, x, y, batch_size=BATCH, shuffle=False, verbose=0, log=lines.append,
+                       **settings).history
+        np.testing.assert_allclose(got["loss"], history["loss"], rtol=1e-5, err_msg=mode)
+        for have, expected in zip(model.get_weights(), want.get_weights(), strict=True):
+            np.testing.assert_allclose(have, expected, rtol=1e-5, atol=1e-6, err_msg=mode)
+        assert any("at the learning rates of MultiOptimizer's optimizers" in line for line in lines)

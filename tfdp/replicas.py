@@ -24,11 +24,16 @@ from tfdp.errors import ConfigError
 
 
 def optimizers_of(model) -> list:
-    """The model's optimizer and the ones it wraps (loss scaling)."""
-    found, optimizer = [], getattr(model, "optimizer", None)
-    while optimizer is not None and optimizer not in found:
+    """The model's optimizer and the ones it holds: the one loss scaling wraps, a
+    MultiOptimizer's own."""
+    found, waiting = [], [getattr(model, "optimizer", None)]
+    while waiting:
+        optimizer = waiting.pop(0)
+        if optimizer is None or any(optimizer is f for f in found):
+            continue
         found.append(optimizer)
-        optimizer = getattr(optimizer, "inner_optimizer", None)
+        waiting.append(getattr(optimizer, "inner_optimizer", None))
+        waiting.extend(getattr(optimizer, "_inner_optimizers", None) or [])
     return found
 
 
@@ -287,11 +292,10 @@ def _rekey(model, variables, before) -> None:
     for optimizer in optimizers_of(model):
         old = before[id(optimizer)]
         new = {old[id(v)]: optimizer._var_key(v) for v in variables}  # noqa: SLF001
-        table = getattr(optimizer, "_trainable_variables_indices", None)
-        if table:
-            optimizer._trainable_variables_indices = {  # noqa: SLF001
-                new.get(key, key): index for key, index in table.items()
-            }
+        for name in ("_trainable_variables_indices", "_var_to_optimizer_idx"):  # (a MultiOptimizer's)
+            table = getattr(optimizer, name, None)
+            if table:
+                setattr(optimizer, name, {new.get(key, key): index for key, index in table.items()})
         excluded = getattr(optimizer, "_exclude_from_weight_decay", None)
         if excluded:
             optimizer._exclude_from_weight_decay = {new.get(k, k) for k in excluded}  # noqa: SLF001

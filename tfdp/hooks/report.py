@@ -9,13 +9,25 @@ from tfdp.devices import short_name
 from tfdp.loop import Hook
 
 
-def learning_rate(optimizer) -> float:
+def learning_rate(optimizer) -> float | None:
     """The rate `optimizer` applies at its next step: a schedule's value at its iteration
-    count, a wrapped optimizer's (loss scaling) its inner one's."""
+    count, a wrapped optimizer's (loss scaling) its inner one's; None for an optimizer
+    without one rate (a MultiOptimizer's optimizers have their own)."""
     import tensorflow as tf
 
-    rate = optimizer.learning_rate  # a Keras variable, mirrored under a strategy, or a tensor
+    try:
+        rate = optimizer.learning_rate  # a Keras variable, mirrored under a strategy, or a tensor
+    except AttributeError:
+        return None
     return float(tf.convert_to_tensor(getattr(rate, "value", rate)))
+
+
+def rate_words(optimizer) -> str:
+    """`at learning rate 0.1`, or, for an optimizer without one rate, whose rates."""
+    rate = learning_rate(optimizer)
+    if rate is None:
+        return f"at the learning rates of {type(optimizer).__name__}'s optimizers"
+    return f"at learning rate {rate:g}"
 
 
 def schedule_of(optimizer):
@@ -51,7 +63,7 @@ def banner(plan, trainer, start_step: int, shards: list[int], input_note=None) -
         f"global batch {config.batch_size}"
         + (f" ({plan.batch_from})" if plan.batch_from else "")
         + f" = {split} over {n} {trainer.unit}, mode {config.mode}; "
-        f"{data}; {steps} at learning rate {learning_rate(trainer.optimizer):g}"
+        f"{data}; {steps} {rate_words(trainer.optimizer)}"
     )
     schedule = schedule_of(trainer.optimizer)
     if schedule is not None:  # its value at the first step

@@ -21,12 +21,13 @@ class TrainSummaries(Hook):
         if not run.plan.logs(step):
             return
         seconds = max(run.clock.training_seconds(), 1e-9)
+        rate = learning_rate(run.trainer.optimizer)
         shares = zip(run.plan.devices, run.trainer.shards)
         self.summaries.write_train(
             step,
             {
                 **run.metrics,
-                "learning_rate": learning_rate(run.trainer.optimizer),
+                **({} if rate is None else {"learning_rate": rate}),
                 "images_per_second": run.plan.examples_in(run.start_step, step + 1) / seconds,
                 **{f"shard/{short_name(d)}": n for d, n in shares},
             },
