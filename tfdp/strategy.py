@@ -126,6 +126,11 @@ class UnevenShares:
                     sleep_per_example, dtype=tf.float64, trainable=False, name="tfdp_sleep"
                 )
 
+    @property
+    def sleep_per_example(self):
+        """Each replica's seconds of sleep per example set by a driver (a variable), or None."""
+        return self._sleep_per_example
+
     def set_sleep_per_example(self, seconds) -> None:
         """New seconds of sleep per example for each replica (see `report_seconds`)."""
         self._sleep_per_example.assign(seconds)

@@ -174,7 +174,7 @@ class KerasStepTrainer(Trainer):
         self.strategy.set_sleep_per_example(delays)
 
     def _delay(self):
-        sleep = self.strategy._sleep_per_example  # noqa: SLF001
+        sleep = self.strategy.sleep_per_example
         if sleep is None:
             return None
         return tf.gather(sleep, tf.distribute.get_replica_context().replica_id_in_sync_group)
