@@ -154,7 +154,6 @@ def exported(model_dir):
 @pytest.mark.parametrize(
     "flags, compute, tolerance",
     [
-        (["--jit_compile"], "float32", 1e-4),
         (["--precision=mixed_bfloat16"], "bfloat16", 0.12),
         (["--precision=mixed_float16", "--jit_compile"], "float16", 0.1),
     ],

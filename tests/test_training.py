@@ -64,7 +64,6 @@ def test_the_final_metrics_are_the_last_batchs():
 # other device sets train the first 21 (logs at 0, 10, 20), which must be the same.
 LENET_RUNS = {
     "mirrored on 1": dict(mode="mirrored", devices="cpu:0"),
-    "mirrored on 2": dict(mode="mirrored", devices="cpu:0,cpu:1", iterations=21),
     "mirrored on 4": dict(mode="mirrored", devices="all", iterations=21),
     "weighted [1, 5] on 2": dict(
         mode="weighted", devices="cpu:0,cpu:1", powers=(1, 5), iterations=21
