@@ -6,7 +6,8 @@ The cases a Keras user meets: a batch larger than the data, a short last batch, 
 with fewer examples than devices (a device gets none), inputs as a tuple, list or dict,
 validation data in each form `fit` takes, class weights on a PyDataset or a generator, a
 stream of unknown length, epochs that end at a pass's end, a non-finite loss (trained on,
-as Keras does; TerminateOnNaN stops it), and what the model was compiled with
+as Keras does; TerminateOnNaN stops it), batches whose shape changes every step (a
+`padded_batch` of text, a generator), and what the model was compiled with
 (`steps_per_execution`, `run_eagerly`, `jit_compile`, `loss_weights`)."""
 
 import functools
@@ -136,6 +137,47 @@ CLASS_WEIGHT = {0: 2.0, 1: 1.0, 2: 0.5}
 TRAIN = examples(100)
 
 
+def text_classifier():
+    """Token sequences of any length (0 pads), averaged over their tokens."""
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((None,), dtype="int32")
+    embedded = keras.layers.Embedding(20, 6, mask_zero=True)(inputs)
+    pooled = keras.layers.GlobalAveragePooling1D()(embedded)
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(pooled))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def sentences(n, seed):
+    """n token sequences of 2 to 8 tokens, and a class of each."""
+    rng = np.random.default_rng(seed)
+    tokens = [rng.integers(1, 20, length) for length in rng.integers(2, 9, n)]
+    return tokens, np.array([t.sum() % CLASSES for t in tokens], np.int32)
+
+
+def padded_text(n, batch, seed):
+    """A tf.data pipeline of `padded_batch`es: each batch as long as its longest sequence,
+    a shape the pipeline decides as it reads (`TensorSpec(shape=(None, None))`)."""
+    tokens, labels = sentences(n, seed)
+    ragged, labels = tf.ragged.constant(tokens), tf.constant(labels)
+    rows = tf.data.Dataset.range(n).map(lambda i: (ragged[i], labels[i]))
+    return rows.padded_batch(batch)
+
+
+def padded_batches(n, batch, seed):
+    """A generator of the same kind of batches."""
+    tokens, labels = sentences(n, seed)
+    for start in range(0, n, batch):
+        rows = tokens[start : start + batch]
+        width = max(map(len, rows))
+        padded = np.array([np.pad(r, (0, width - len(r))) for r in rows], np.int32)
+        yield padded, labels[start : start + batch]
+
+
 def case_data(name):
     """(model factory, tfdp.fit's arguments, model.fit's if they differ) for each case;
     data made fresh per call."""
@@ -221,6 +263,14 @@ def case_data(name):
                 callbacks=[keras.callbacks.TerminateOnNaN()],
             ),
         ),
+        "a padded_batch whose length changes every batch": (
+            text_classifier,
+            dict(x=padded_text(60, 16, 5), epochs=2, validation_data=padded_text(20, 8, 6)),
+        ),
+        "a generator whose batches change length": (
+            text_classifier,
+            dict(x=padded_batches(60, 16, 5), epochs=1),
+        ),
         "steps_per_execution 3": (functools.partial(classifier, steps_per_execution=3), plain),
         "run_eagerly": (functools.partial(classifier, run_eagerly=True), plain),
         "jit_compile": (functools.partial(classifier, jit_compile=True), plain),
@@ -264,6 +314,8 @@ CASES = [
     "epochs that end at the pass's end",
     "a non-finite loss is trained on",
     "TerminateOnNaN stops it",
+    "a padded_batch whose length changes every batch",
+    "a generator whose batches change length",
     "steps_per_execution 3",
     "run_eagerly",
     "jit_compile",
@@ -322,3 +374,29 @@ def test_data_is_taken_as_model_fit_takes_it(name, mode):
     # the comparison is not vacuous: the weights moved (or went non-finite, as Keras')
     start = make().get_weights()
     assert any(not np.allclose(a, b) for a, b in zip(model.get_weights(), start))
+
+
+def test_auto_powers_on_shapes_decided_while_reading_time_the_first_batch_read_ahead():
+    """Where a pipeline decides a shape as it reads, auto powers time the devices on its
+    first batch, read once ahead, and say so: a reshuffling pipeline then trains on its
+    second order, as model.fit does after one iteration of it."""
+
+    def shuffled():
+        return padded_text(60, 16, 5).unbatch().shuffle(60, seed=4).padded_batch(16)
+
+    lines = []
+    model = text_classifier()
+    tfdp.fit(model, shuffled(), epochs=1, verbose=0, log=lines.append,
+             **{**MODES["weighted [1, 3]"], "powers": "auto"})
+    assert any("first batch, read once ahead" in line for line in lines), lines
+
+    want, pipeline = text_classifier(), shuffled()
+    next(iter(pipeline))  # the read ahead
+    want.fit(pipeline, epochs=1, verbose=0)
+    for a, b in zip(model.get_weights(), want.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    unread = text_classifier()
+    unread.fit(shuffled(), epochs=1, verbose=0)  # the comparison tells the orders apart
+    assert any(
+        not np.allclose(a, b) for a, b in zip(unread.get_weights(), want.get_weights())
+    )

@@ -475,11 +475,15 @@ def digest(text: str) -> int:
 
 
 def arrays_digest(arrays) -> str:
-    """A hex digest of numpy arrays: their dtypes, shapes and bytes."""
+    """A hex digest of numpy arrays: their dtypes, shapes and bytes (of a spec, where a
+    pipeline decides shapes as it reads: the spec)."""
     import numpy as np
 
     hashed = hashlib.blake2b(digest_size=6)
     for array in arrays:
+        if type(array).__name__.endswith("Spec"):  # tf.TensorSpec, tf.RaggedTensorSpec, ...
+            hashed.update(f"{array!r};".encode())
+            continue
         array = np.ascontiguousarray(array)
         hashed.update(f"{array.dtype.str}{array.shape};".encode())
         hashed.update(memoryview(array).cast("B"))

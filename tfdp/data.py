@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tfdp import leaves
 from tfdp.errors import ConfigError
-from tfdp.streams import EvalStream, Stream
+from tfdp.streams import EvalStream, Stream, first_of
 
 MNIST_DIR_ENV = "TFDP_MNIST_DIR"
 IDX_FILES = {  # split -> (images file, labels file)
@@ -287,7 +287,7 @@ def first_examples(data, count):
     if is_stream(data):
         return data.first_examples(count)
     if isinstance(data, EvalStream):
-        data = data.sample
+        return first_of(data.sample, count)
     with tf.device("/cpu:0"):
         first = (
             Arrays(data.images[:count], data.labels[:count])

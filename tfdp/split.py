@@ -36,7 +36,7 @@ class DeviceSplit:
         if not slowdown and not measure:
             return info, None
         probe = max(1, trainer.global_batch_size // len(trainer.devices))  # an even share
-        batch = data_lib.first_examples(train_data, probe)
+        batch = timing_examples(train_data, probe, log)
         names = [short_name(d) for d in trainer.devices]
         if slowdown:
             factors = [slowdown.get(d, 1.0) for d in trainer.devices]
@@ -62,7 +62,7 @@ class DeviceSplit:
             + f"; shares {alone}"
         )
         trainer.set_shards(alone)
-        batch = data_lib.first_examples(train_data, trainer.global_batch_size)
+        batch = timing_examples(train_data, trainer.global_batch_size, log)
         settled = balance.settle_under_load(trainer, batch, log)
         shards = list(trainer.shards)
         steps = balance.PROBE_WINDOW * balance.PROBE_WINDOWS
@@ -103,10 +103,13 @@ class WorkerSplit(DeviceSplit):
         trainer = self.trainer
         trainer.exchange.agree([training_data(config, train_data)])
         info = {"simulated_slowdown": None, "auto_powers": None}
-        probe = data_lib.first_examples(
-            train_data, max(1, trainer.global_batch_size // len(trainer.workers))
-        )
         factors = parse_slowdown(config.simulate_slowdown)
+        measure = measure and config.powers == AUTO
+        if not factors and not measure:
+            return info, None
+        probe = timing_examples(
+            train_data, max(1, trainer.global_batch_size // len(trainer.workers)), log
+        )
         if factors:
             slowed = trainer.calibrate_slowdown(probe, factors)
             info["simulated_slowdown"] = slowed
@@ -118,7 +121,7 @@ class WorkerSplit(DeviceSplit):
                     for worker, s in slowed.items()
                 )
             )
-        if not measure or config.powers != AUTO:
+        if not measure:
             return info, None
         auto = trainer.measure_powers(probe)
         rates = ", ".join(
@@ -127,6 +130,16 @@ class WorkerSplit(DeviceSplit):
         log(f"auto powers: measured images/sec {rates}; powers {auto['powers']}")
         info["auto_powers"] = auto
         return info, None
+
+
+def timing_examples(train_data, count: int, log):
+    """`count` examples of the training data to time the devices on (said in a line where
+    that reads a pipeline ahead: `Stream.examples_to_time`)."""
+    if not data_lib.is_stream(train_data):
+        return data_lib.first_examples(train_data, count)
+    if train_data.reads_ahead and not train_data._read_ahead:  # noqa: SLF001 - said once
+        log(train_data.reads_ahead)
+    return train_data.examples_to_time(count)
 
 
 def training_data(config, data) -> Agreed:

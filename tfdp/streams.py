@@ -50,10 +50,13 @@ class Stream:
         source: what the user gave, as errors name it ("tf.data.Dataset", ...).
         one_pass: whether `dataset` is one pass, run again for each pass (a
             tf.data pipeline); else it is the whole stream (a generator, a PyDataset).
-        sample: a global batch's structure as numpy arrays, to build the model and
-            time the devices on: the first batch of a generator or PyDataset, zeros
-            of a tf.data pipeline's element spec (reading a batch ahead would start
-            an iteration of the pipeline, and move its seeded shuffles on by one).
+        sample: a global batch's structure, to build the model on: the first batch
+            of a generator or PyDataset as numpy arrays; of a tf.data pipeline, zeros
+            of its element spec, or the spec itself (`tf.TensorSpec`, ...) for leaves
+            whose shape the pipeline decides as it reads (`padded_batch`, ragged
+            and sparse tensors): Keras builds from shapes, None where unknown.
+            Nothing is read ahead: that would start an iteration of the pipeline,
+            and move its seeded shuffles on by one.
         starting_at: for a source read by index (a PyDataset), the stream from a
             step on, the batches before it not read; None: read from the start.
         endless: the source never ends (an infinite dataset or PyDataset).
@@ -68,6 +71,7 @@ class Stream:
     sample: object
     starting_at: Callable[[int], tf.data.Dataset] | None = None
     endless: bool = False
+    _read_ahead: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
     def marked(self) -> bool:
@@ -83,13 +87,37 @@ class Stream:
             return self.batch_size
         return self.examples - (self.batches - 1) * self.batch_size
 
+    @property
+    def shapes_known(self) -> bool:
+        """Whether `sample` holds examples (else specs: shapes decided while reading)."""
+        return shapes_known(self.sample)
+
     def first_examples(self, count: int):
-        """The first `count` examples (at most a batch), as a model batch on the host."""
-        with tf.device("/cpu:0"):
-            return tf.nest.map_structure(
-                lambda leaf: leaf if isinstance(leaf, tf.SparseTensor) else tf.constant(leaf),
-                leaves.take(self.sample, 0, count),
-            )
+        """The first `count` examples (at most a batch): `first_of` the sample."""
+        return first_of(self.sample, count)
+
+    def examples_to_time(self, count: int):
+        """`count` examples (at most a batch) to time the devices on. Where the pipeline
+        decides shapes as it reads, its first batch, read once ahead (an iteration of
+        the pipeline of its own: a shuffle that reshuffles each pass starts training
+        on its second order; `reads_ahead`)."""
+        if self.shapes_known:
+            return self.first_examples(count)
+        if not self._read_ahead:
+            with tf.device("/cpu:0"):
+                self._read_ahead.append(next(iter(self.dataset.take(1))))
+        return leaves.take(self._read_ahead[0], 0, count)
+
+    @property
+    def reads_ahead(self) -> str | None:
+        """What timing the devices costs the pipeline, in a line, if anything."""
+        if self.shapes_known:
+            return None
+        return (
+            f"the devices are timed on the {self.source}'s first batch, read once ahead "
+            "(its shapes are decided as it reads): a shuffle that reshuffles each pass "
+            "starts training on its second order"
+        )
 
     def training_batches(self, start_step: int = 0, passes: int = 0) -> tf.data.Dataset:
         """The global batches of steps start_step, start_step + 1, ...: pass after pass,
@@ -100,10 +128,7 @@ class Stream:
         stream = self.dataset
         if self.marked:
             # a pass's end, in the stream: an element of no examples, marked
-            spec = stream.element_spec
-            empty = tf.nest.map_structure(
-                lambda leaf: tf.zeros((0, *leaf.shape[1:]), leaf.dtype), spec
-            )
+            empty = tf.nest.map_structure(_empty, stream.element_spec)
             ended = tf.data.Dataset.from_tensors((empty, tf.constant(True)))
             stream = stream.map(lambda *batch: (_packed(batch), tf.constant(False)))
             stream = stream.concatenate(ended).repeat()
@@ -111,6 +136,23 @@ class Stream:
         if self.one_pass and self.batches is not None:
             stream = stream.repeat()
         return stream.skip(start_step).prefetch(PREFETCH_BATCHES)
+
+
+def shapes_known(sample) -> bool:
+    """Whether a stream's sample holds examples (else specs: shapes decided while reading)."""
+    return not any(isinstance(leaf, tf.TypeSpec) for leaf in tf.nest.flatten(sample))
+
+
+def first_of(sample, count: int):
+    """The first `count` examples of a stream's sample, as a model batch on the host; where
+    the pipeline decides shapes as it reads, their specs (for a symbolic build)."""
+    if not shapes_known(sample):
+        return tf.nest.map_structure(lambda spec: _with_batch(spec, count), sample)
+    with tf.device("/cpu:0"):
+        return tf.nest.map_structure(
+            lambda leaf: leaf if isinstance(leaf, tf.SparseTensor) else tf.constant(leaf),
+            leaves.take(sample, 0, count),
+        )
 
 
 def _packed(batch):
@@ -180,39 +222,48 @@ def _as_leaves(batch):
     return tf.nest.map_structure(leaves.as_leaf, tuple(batch) if isinstance(batch, list) else batch)
 
 
-def _spec_of(leaf):
-    """The element spec of one leaf of a batch, any batch size."""
-    shape = (None, *leaf.shape[1:])
-    if isinstance(leaf, tf.SparseTensor):
-        return tf.SparseTensorSpec(shape, leaf.dtype)
-    if isinstance(leaf, tf.RaggedTensor):
-        return tf.RaggedTensorSpec(shape, leaf.dtype, leaf.ragged_rank, leaf.row_splits.dtype)
-    return tf.TensorSpec(shape, tf.as_dtype(leaf.dtype))
+def _with_batch(spec, size: int):
+    """`spec` with its batch axis `size`."""
+    shape = [size, *spec.shape[1:]]
+    if isinstance(spec, tf.RaggedTensorSpec):
+        return tf.RaggedTensorSpec(shape, spec.dtype, spec.ragged_rank, spec.row_splits_dtype)
+    if isinstance(spec, tf.SparseTensorSpec):
+        return tf.SparseTensorSpec(shape, spec.dtype)
+    return tf.TensorSpec(shape, spec.dtype)
 
 
-def _zeros(spec, batch_size: int):
-    """A batch of zeros of a dataset's element spec."""
+def _empty(spec):
+    """An element of `spec` with no examples (a pass's end marker)."""
+    shape = [0] + [0 if d is None else d for d in spec.shape[1:]]
+    if isinstance(spec, tf.SparseTensorSpec):
+        return tf.SparseTensor(tf.zeros([0, len(shape)], tf.int64), tf.zeros([0], spec.dtype), shape)
+    zeros = tf.zeros(shape, spec.dtype)
+    if isinstance(spec, tf.RaggedTensorSpec):
+        return tf.RaggedTensor.from_tensor(
+            zeros, ragged_rank=spec.ragged_rank, row_splits_dtype=spec.row_splits_dtype
+        )
+    return zeros
 
-    def zeros(leaf):
-        known = leaf.shape[1:].is_fully_defined()
-        if isinstance(leaf, tf.SparseTensorSpec) and known:  # no entries
-            rank = leaf.shape.rank
+
+def _sample(spec, batch_size: int):
+    """A batch of a dataset's element spec to build the model on, nothing read: zeros where
+    a leaf's shape after the batch axis is known, its spec (batch `batch_size`) where the
+    pipeline decides it while reading."""
+
+    def sample(leaf):
+        if leaf.shape.rank is None or not leaf.shape[1:].is_fully_defined():
+            return _with_batch(leaf, batch_size)
+        if isinstance(leaf, tf.SparseTensorSpec):  # no entries
             return tf.SparseTensor(
-                tf.zeros([0, rank], tf.int64),
+                tf.zeros([0, leaf.shape.rank], tf.int64),
                 tf.zeros([0], leaf.dtype),
                 [batch_size, *leaf.shape[1:]],
             )
-        if not isinstance(leaf, tf.TensorSpec) or not known:
-            raise ConfigError(
-                "x",
-                "tf.data.Dataset",
-                f"has an element {leaf}: tfdp takes dense tensors whose shape after the batch "
-                "axis is known before reading; give it in the pipeline (tf.reshape, "
-                "tf.ensure_shape)",
-            )
-        return np.zeros((batch_size, *leaf.shape[1:]), leaf.dtype.as_numpy_dtype)
+        if isinstance(leaf, tf.TensorSpec):
+            return np.zeros((batch_size, *leaf.shape[1:]), leaf.dtype.as_numpy_dtype)
+        return _with_batch(leaf, batch_size)  # a ragged leaf
 
-    return tf.nest.map_structure(zeros, spec)
+    return tf.nest.map_structure(sample, spec)
 
 
 def from_dataset(dataset, batch_size, drop_remainder, field="x", source="tf.data.Dataset"):
@@ -253,47 +304,58 @@ def from_dataset(dataset, batch_size, drop_remainder, field="x", source="tf.data
             examples = (examples // size) * size
     elif dropped and batches is not None:
         examples = batches * size
-    sample = _zeros(dataset.element_spec, size)
+    sample = _sample(dataset.element_spec, size)
     endless = cardinality == tf.data.INFINITE_CARDINALITY
     return Stream(dataset, size, batches, examples, source, True, sample, endless=endless)
 
 
-def _own_batches(first, batch_size, source: str):
+def _own_batches(first_batches, batch_size, source: str):
     """(the first batch as numpy arrays, its batch size, the element signature) of a
-    source that makes its own batches; a `batch_size` that differs is an error."""
-    first = _as_leaves(first)
+    source that makes its own batches, from its first batches (Keras reads two): a shape
+    that differs between them is None in the signature, as Keras' adapters make it. A
+    `batch_size` that differs from the first batch's is an error."""
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    first_batches = [_as_leaves(batch) for batch in first_batches]
+    first = first_batches[0]
     size = _batch_size_of(first)
     if batch_size is not None and batch_size != size:
         raise ConfigError(
             "batch_size", batch_size, f"disagrees with the {source}'s batches of {size}"
         )
-    signature = tf.nest.map_structure(_spec_of, first)
+    try:
+        signature = data_adapter_utils.get_tensor_spec(first_batches)
+    except (TypeError, ValueError):  # its first two batches differ in structure or rank
+        signature = data_adapter_utils.get_tensor_spec(first_batches[:1])
     return first, size, signature
 
 
 def _described(batch) -> str:
     """A batch's structure, shapes and dtypes, e.g. (float32[32, 8], int64[32])."""
-    shapes = tf.nest.map_structure(lambda leaf: f"{leaf.dtype}{list(leaf.shape)}", batch)
-    return str(shapes).replace("'", "")
+    shapes = tf.nest.map_structure(lambda leaf: f"{leaf.dtype.name}{list(leaf.shape)}", batch)
+    return str(shapes).replace("'", "").replace("None", "?")
 
 
-def checked(numbered, first, batch_size: int):
+def checked(numbered, signature, batch_size: int):
     """The batches of a source that makes its own (a generator, a PyDataset) as numpy
-    structures, each checked against the first: the same structure and shapes after the
-    batch axis, at most `batch_size` examples, as many in every part. numbered: pairs
-    (the batch's number in the source, the batch). A batch that differs is a ValueError
-    naming it, raised before it is trained on."""
-    expected = tf.nest.map_structure(lambda leaf: tuple(leaf.shape[1:]), first)
+    structures, each checked against `signature` (`_own_batches`): the same structure,
+    shapes after the batch axis that fit it, at most `batch_size` examples, as many in
+    every part. numbered: pairs (the batch's number in the source, the batch). A batch
+    that differs is a ValueError naming it, raised before it is trained on."""
     for index, batch in numbered:
         batch = _as_leaves(batch)
         try:
-            tf.nest.assert_same_structure(first, batch, check_types=False)
-            shapes = tf.nest.map_structure(lambda leaf: tuple(leaf.shape[1:]), batch)
+            tf.nest.assert_same_structure(signature, batch, check_types=False)
+            fits = all(
+                spec.shape.is_compatible_with(leaf.shape)
+                for spec, leaf in zip(tf.nest.flatten(signature), tf.nest.flatten(batch))
+            )
         except (TypeError, ValueError):
-            shapes = None
-        if shapes != expected:
+            fits = False
+        if not fits:
             raise ValueError(
-                f"its batch {index} is {_described(batch)}, where its first was {_described(first)}"
+                f"its batch {index} is {_described(batch)}, where its first batches were "
+                f"{_described(signature)}"
             )
         lengths = {leaves.length(leaf) for leaf in tf.nest.flatten(batch)}
         if len(lengths) > 1 or max(lengths) > batch_size:
@@ -310,11 +372,10 @@ def checked(numbered, first, batch_size: int):
 
 def from_generator(generator, batch_size, field="x"):
     """A Stream of a Python generator of batches (read once: one pass, length unknown)."""
-    try:
-        first = next(generator)
-    except StopIteration:
-        raise ConfigError(field, "generator", "has no examples") from None
-    first, size, signature = _own_batches(first, batch_size, "generator")
+    first_batches = list(itertools.islice(generator, 2))  # as Keras' adapter reads them
+    if not first_batches:
+        raise ConfigError(field, "generator", "has no examples")
+    first, size, signature = _own_batches(first_batches, batch_size, "generator")
     read = []  # a generator is read once: a second pass over it finds it ended
 
     def batches():
@@ -322,7 +383,8 @@ def from_generator(generator, batch_size, field="x"):
             return
         read.append(True)
         yield first
-        yield from checked(enumerate(generator, 1), first, size)
+        rest = itertools.chain(first_batches[1:], generator)
+        yield from checked(enumerate(rest, 1), signature, size)
 
     dataset = tf.data.Dataset.from_generator(batches, output_signature=signature)
     return Stream(dataset, size, None, None, "generator", False, first)
@@ -335,7 +397,8 @@ def from_py_dataset(py_dataset, batch_size, shuffle, seed, field="x"):
     count = py_dataset.num_batches
     if count == 0:
         raise ConfigError(field, "PyDataset", "has no examples")
-    first, size, signature = _own_batches(py_dataset[0], batch_size, "PyDataset")
+    first_batches = [py_dataset[i] for i in range(2 if count is None else min(2, count))]
+    first, size, signature = _own_batches(first_batches, batch_size, "PyDataset")
 
     def one_pass(epoch, begin):
         """Pass `epoch` from its batch `begin` on."""
@@ -346,7 +409,7 @@ def from_py_dataset(py_dataset, batch_size, shuffle, seed, field="x"):
         else:
             order = range(int(begin), count)
         py_dataset.on_epoch_begin()
-        yield from checked(((i, py_dataset[int(i)]) for i in order), first, size)
+        yield from checked(((i, py_dataset[int(i)]) for i in order), signature, size)
         py_dataset.on_epoch_end()
 
     def starting_at(step: int) -> tf.data.Dataset:
@@ -468,7 +531,7 @@ def eval_stream(data, field: str = "validation_data") -> EvalStream:
                 lambda leaf: tf.TensorSpec((None, *leaf.shape), leaf.dtype), data.element_spec
             )
         )
-        sample = _zeros(spec, 2)
+        sample = _sample(spec, 2)
         endless = cardinality == tf.data.INFINITE_CARDINALITY
         return EvalStream("tf.data.Dataset", sample, read_dataset, endless, data)
     if isinstance(data, keras.utils.PyDataset):
