@@ -612,7 +612,12 @@ def test_two_workers_under_plain_model_fit_give_one_devices_results(started, tmp
 
 
 class OwnMeanLoss(Subclassed):
-    """A step that takes the mean of its own loss: Keras never sees it to weigh it."""
+    """A step that takes the mean of its own loss, and tracks it in a Mean of its own
+    (keras.io's "lower-level" step): Keras never sees either to weigh it."""
+
+    def __init__(self):
+        super().__init__()
+        self.tracker = keras.metrics.Mean(name="loss")
 
     def train_step(self, data):
         x, y = data
@@ -621,13 +626,20 @@ class OwnMeanLoss(Subclassed):
             loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
         gradients = tape.gradient(loss, self.trainable_variables)
         self.optimizer.apply(gradients, self.trainable_variables)
-        return {"loss": loss}
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+    @property
+    def metrics(self):
+        return [self.tracker]
 
 
 def test_an_own_mean_loss_is_weighed_by_share_and_said_in_one_line():
     """An own step's own mean loss, which Keras never sees to weigh: each replica's gradients
     count by its share (one device's update, where TensorFlow's strategy sums the replicas'
-    means), said in one line."""
+    means), and so does the loss its own Mean tracks (one device's History, where the
+    replicas' losses would count alike); said in one line. tfdp.fit's weighted mode runs
+    the same step on the same strategy."""
     x, y = examples(96)
 
     def make():
@@ -637,15 +649,21 @@ def test_an_own_mean_loss_is_weighed_by_share_and_said_in_one_line():
         return model
 
     expected = make()
-    expected.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    history = expected.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
     with strategy().scope():
         model = make()
     with pytest.warns(UserWarning) as said:
-        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        got = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
     lines = [str(w.message) for w in said if "OwnMeanLoss.train_step" in str(w.message)]
     assert len(lines) == 1 and "weighed by its share of the batch's examples" in lines[0], lines
-    for e, g in zip(expected.get_weights(), model.get_weights()):
-        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+    fitted = make()
+    weighted = tfdp.fit(fitted, x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+                        mode="weighted", devices="cpu:0,cpu:1", powers=(1, 3), log=lambda _: None)
+    for run in (model, fitted):
+        for e, g in zip(expected.get_weights(), run.get_weights()):
+            np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+    for logs in (got, weighted.history):
+        np.testing.assert_allclose(logs["loss"], history["loss"], rtol=1e-5)
 
 
 def test_clipping_acts_on_the_summed_gradient():
@@ -793,9 +811,15 @@ def _optimizers_clip_before_their_all_reduce():
     apply = inspect.getsource(BaseOptimizer._backend_apply_gradients)  # noqa: SLF001
     assert apply.index("self._clip_gradients(grads)") < apply.index("self._backend_update_step(")
     assert "_all_reduce_sum_gradients" in inspect.getsource(TFOptimizer._backend_update_step)  # noqa: SLF001
+    from keras.src.metrics.reduction_metrics import Mean, MeanMetricWrapper
     from keras.src.trainers.compile_utils import CompileLoss
 
     assert "update_state(" in inspect.getsource(CompileLoss.call)
+    # a Mean of a scalar counts its sample_weight (tfdp weighs an own step's by share)
+    mean = Mean()
+    mean.update_state(2.0, sample_weight=0.25)
+    mean.update_state(4.0, sample_weight=0.75)
+    assert float(mean.result()) == 3.5 and issubclass(MeanMetricWrapper, Mean)
 
 
 INTERNALS = {
@@ -805,7 +829,7 @@ INTERNALS = {
     "MirroredStrategy._collective_key_base": _collective_keys_from_the_base,
     "values_util.on_write_assign": _assignment_goes_through_on_write_assign,
     "MultiDeviceIterator round robin": _round_robin_gives_replica_i_piece_i,
-    "BaseOptimizer._clip_gradients before the all-reduce; CompileLoss trackers": _optimizers_clip_before_their_all_reduce,
+    "BaseOptimizer._clip_gradients before the all-reduce; CompileLoss trackers; Mean": _optimizers_clip_before_their_all_reduce,
 }
 
 

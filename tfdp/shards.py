@@ -25,7 +25,8 @@ whole batch, however unevenly the batch was cut:
 A step that computes its loss without Keras' loss machinery (an overridden
 `train_step` taking `ops.mean` of its own loss) is never scaled; its gradients
 are weighed by n/N when handed over, which is exact for a loss that is a mean
-over the batch, and said once (`ShardContext.note`).
+over the batch, and said once (`ShardContext.note`); the scalars its own `Mean`
+trackers take are counted by n/N too (`weighing_output_losses`).
 """
 
 from __future__ import annotations
@@ -203,6 +204,9 @@ def weighing_output_losses(model, fraction):
     for tracker in list(getattr(compile_loss, "metrics", None) or []):
         if "update_state" not in vars(tracker):
             tracker.update_state = _weighed_by_piece(tracker.update_state)
+    for tracker in _own_means(model):
+        if "update_state" not in vars(tracker):
+            tracker.update_state = _weighed_by_piece(tracker.update_state, scalars_only=True)
     outer = getattr(_local, "output_fraction", None)
     _local.output_fraction = fraction
     try:
@@ -211,10 +215,36 @@ def weighing_output_losses(model, fraction):
         _local.output_fraction = outer
 
 
-def _weighed_by_piece(update_state):
+def _own_means(model):
+    """The model's own `Mean` trackers (a step of its own updates them, as keras.io's
+    `loss_tracker`), not Keras' loss tracker (which Keras weighs by the batch's size)."""
+    import keras
+    from keras.src.metrics.reduction_metrics import MeanMetricWrapper
+
+    keras_own = getattr(model, "_loss_tracker", None)
+    try:
+        metrics = list(model.metrics)
+    except Exception:  # noqa: BLE001 - a `metrics` property of the user's that fails unbuilt
+        return []
+    return [
+        m
+        for m in metrics
+        if isinstance(m, keras.metrics.Mean)
+        and not isinstance(m, MeanMetricWrapper)  # of (y_true, y_pred): per example
+        and m is not keras_own
+    ]
+
+
+def _weighed_by_piece(update_state, scalars_only=False):
+    """`update_state` that counts a value by the piece's share where it names no weight
+    (with `scalars_only`, a scalar only: a value per example counts its examples
+    already). A scalar a step of its own tracks is taken as a mean over its piece, as
+    its gradients are (`train_piece`)."""
+
     def update(values, sample_weight=None):
         fraction = getattr(_local, "output_fraction", None)
-        if sample_weight is None and fraction is not None:
+        scalar = not scalars_only or tf.convert_to_tensor(values).shape.rank == 0
+        if sample_weight is None and fraction is not None and scalar:
             sample_weight = fraction
         return update_state(values, sample_weight=sample_weight)
 
@@ -237,8 +267,9 @@ def train_piece(model, data, fraction):
     if weigh:
         note = (
             f"{name} computes its loss without Keras' loss functions (compute_loss): each "
-            "device's gradients are weighed by its share of the batch's examples, which is "
-            "exact for a loss that is a mean over the batch"
+            "device's gradients and the scalars its Mean trackers take are weighed by its "
+            "share of the batch's examples, which is exact for a loss that is a mean over "
+            "the batch"
         )
     elif own and not context.handed and model.trainable_weights:
         note = f"{name} hands no gradients to model.optimizer: it updates the weights itself"

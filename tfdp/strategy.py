@@ -295,8 +295,9 @@ class UnevenShares:
         if weighed:
             note = (
                 f"{name} computes its loss without Keras' loss functions (compute_loss): each "
-                "replica's gradients are weighed by its share of the batch's examples, which is "
-                "exact for a loss that is a mean over the batch"
+                "replica's gradients and the scalars its Mean trackers take are weighed by its "
+                "share of the batch's examples, which is exact for a loss that is a mean over "
+                "the batch"
             )
         else:
             note = (
