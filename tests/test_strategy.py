@@ -666,6 +666,40 @@ def test_an_own_mean_loss_is_weighed_by_share_and_said_in_one_line():
         np.testing.assert_allclose(logs["loss"], history["loss"], rtol=1e-5)
 
 
+class TracksItsLoss(Subclassed):
+    """A compute_loss override that tracks the loss Keras' compute_loss returns (Keras' own
+    `test_metric_update_in_compute_loss`): in a replica, that loss is its weighed part."""
+
+    def __init__(self):
+        super().__init__()
+        self.tracker = keras.metrics.Mean(name="tracked")
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+        self.tracker.update_state(loss * 4)
+        return loss
+
+
+def test_a_loss_tracked_in_compute_loss_reads_the_whole_batchs():
+    x, y = examples(96)
+
+    def make():
+        keras.utils.set_random_seed(2)
+        model = TracksItsLoss()
+        model.compile(keras.optimizers.SGD(0.2), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    history = make().fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+    with strategy().scope():
+        model = make()
+    got = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+    weighted = tfdp.fit(make(), x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+                        mode="weighted", devices="cpu:0,cpu:1", powers=(1, 3), log=lambda _: None)
+    for logs in (got, weighted.history):
+        np.testing.assert_allclose(logs["tracked"], history["tracked"], rtol=1e-5)
+        np.testing.assert_allclose(logs["tracked"], np.multiply(history["loss"], 4), rtol=1e-5)
+
+
 def test_clipping_acts_on_the_summed_gradient():
     """global_clipnorm, clipnorm, clipvalue: Keras clips each replica's gradient before the
     sum; under tfdp's strategy the sum is clipped, as on one device."""

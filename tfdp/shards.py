@@ -239,14 +239,21 @@ def _weighed_by_piece(update_state, scalars_only=False):
     """`update_state` that counts a value by the piece's share where it names no weight
     (with `scalars_only`, a scalar only: a value per example counts its examples
     already). A scalar a step of its own tracks is taken as a mean over its piece, as
-    its gradients are (`train_piece`)."""
+    its gradients are (`train_piece`); one taken once Keras has scaled the piece's loss
+    (a `compute_loss` override tracking the loss it returns) as that part of the batch's."""
 
     def update(values, sample_weight=None):
         fraction = getattr(_local, "output_fraction", None)
-        scalar = not scalars_only or tf.convert_to_tensor(values).shape.rank == 0
-        if sample_weight is None and fraction is not None and scalar:
-            sample_weight = fraction
-        return update_state(values, sample_weight=sample_weight)
+        if sample_weight is not None or fraction is None:
+            return update_state(values, sample_weight=sample_weight)
+        if scalars_only:
+            values = tf.convert_to_tensor(values)
+            if values.shape.rank != 0:
+                return update_state(values, sample_weight=sample_weight)
+            context = current()
+            if context is not None and context.scaled:  # the batch's value, n/N of it
+                values = tf.math.divide_no_nan(values, tf.cast(fraction, values.dtype))
+        return update_state(values, sample_weight=fraction)
 
     return update
 
