@@ -17,6 +17,17 @@ class ConfigError(ValueError):
         super().__init__(f"{field}={value!r}: {reason}")
 
 
+class DoesNotFit(ConfigError):
+    """The data does not fit the model: Keras' own error, in one line. `tfdp.fit` raises
+    Keras' error itself (`keras_error`), as `model.fit` raises it."""
+
+    def __init__(self, field: str, value, keras_error: BaseException):
+        self.keras_error = keras_error
+        text = str(keras_error).strip().splitlines()
+        line = f"{type(keras_error).__name__}: {text[0] if text else ''}"[:300]
+        super().__init__(field, value, f"does not fit the model ({line})")
+
+
 class DataError(RuntimeError):
     """The training data failed while training (a generator that raised, a corrupt file,
     a stream that ended early): one line naming the data and the step; the last

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from tfdp import replicas, streams
 from tfdp.config import Config
-from tfdp.errors import ConfigError
+from tfdp.errors import ConfigError, DoesNotFit
 
 KERAS_BATCH_SIZE = 32  # Keras fit's default
 
@@ -133,7 +133,10 @@ def _fit(model, train, validation, config, log, verbose, callbacks, validation_b
 
     from tfdp import training
 
-    plan = training.prepare(config, model=model, train_data=train, validation_data=validation)
+    try:
+        plan = training.prepare(config, model=model, train_data=train, validation_data=validation)
+    except DoesNotFit as error:  # Keras' own error, as model.fit raises it
+        raise error.keras_error from None
     run_validation = None
     if plan.test_data is not None:
         run_validation = (

@@ -359,7 +359,8 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
             "has no evaluation examples; give some, or none (None) to skip evaluation",
         )
     model = model_for(config, model)
-    replicas.build(model, data_lib.first_examples(train_data, 2), field)
+    # Keras builds on the first batch's shapes (its errors name them)
+    replicas.build(model, data_lib.first_examples(train_data, config.batch_size), field)
     if test_data is not None:
         replicas.check_fits(model, data_lib.first_examples(test_data, 2), test_field)
     if data_lib.is_stream(train_data):

@@ -20,7 +20,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from tfdp.errors import ConfigError
+from tfdp.errors import ConfigError, DoesNotFit
 
 
 def optimizers_of(model) -> list:
@@ -104,9 +104,7 @@ def build(model, batch, field: str = "x") -> None:
         with own.scope() if own else tf.device("/cpu:0"):
             model._symbolic_build(data_batch=batch)  # noqa: SLF001 - Keras fit's own build
     except Exception as error:  # Keras raises many kinds for data that does not fit
-        raise ConfigError(
-            field, described(batch), f"does not fit the model ({first_line(error)})"
-        ) from None
+        raise DoesNotFit(field, described(batch), error) from None
 
 
 def check_fits(model, batch, field: str) -> None:
@@ -131,9 +129,7 @@ def check_fits(model, batch, field: str) -> None:
                 training=False,
             )
     except Exception as error:  # Keras raises many kinds for data that does not fit
-        raise ConfigError(
-            field, described(batch), f"does not fit the model ({first_line(error)})"
-        ) from None
+        raise DoesNotFit(field, described(batch), error) from None
 
 
 def described(structure) -> str:
@@ -142,11 +138,6 @@ def described(structure) -> str:
         return str(tf.nest.map_structure(lambda t: tuple(t.shape), structure))
     except Exception:  # noqa: BLE001 - only for a message
         return type(structure).__name__
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
 class Placement:
