@@ -332,3 +332,25 @@ def cli_in_process(*args):
     finally:
         cli.FLAGS.unparse_flags()
     return 0
+
+
+def with_an_optional_input(features=4, classes=3):
+    """A classifier of inputs {"x", "o"}, "o" optional (given None, left out)."""
+    import keras
+
+    keras.utils.set_random_seed(2)
+    x = keras.Input((features,), name="x")
+    o = keras.Input((features,), name="o", optional=True)
+
+    class AddIfGiven(keras.layers.Layer):
+        def call(self, x, o=None):
+            return x if o is None else x + o
+
+    hidden = keras.layers.Dense(8, activation="tanh")(AddIfGiven()(x, o))
+    model = keras.Model({"x": x, "o": o}, keras.layers.Dense(classes)(hidden))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.2, momentum=0.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model

@@ -7,7 +7,7 @@ with fewer examples than devices (a device gets none), inputs as a tuple, list o
 validation data in each form `fit` takes, class weights on a PyDataset or a generator, a
 stream of unknown length, epochs that end at a pass's end, a non-finite loss (trained on,
 as Keras does; TerminateOnNaN stops it), batches whose shape changes every step (a
-`padded_batch` of text, a generator), and what the model was compiled with
+`padded_batch` of text, a generator), an optional input given None, and what the model was compiled with
 (`steps_per_execution`, `run_eagerly`, `jit_compile`, `loss_weights`)."""
 
 import functools
@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import with_an_optional_input
 
 import tfdp
 
@@ -263,6 +264,11 @@ def case_data(name):
                 callbacks=[keras.callbacks.TerminateOnNaN()],
             ),
         ),
+        "an optional input given None": (
+            with_an_optional_input,
+            dict(x={"x": x, "o": None}, y=y, batch_size=16, epochs=2, shuffle=False,
+                 validation_data=({"x": vx, "o": None}, vy)),
+        ),
         "a padded_batch whose length changes every batch": (
             text_classifier,
             dict(x=padded_text(60, 16, 5), epochs=2, validation_data=padded_text(20, 8, 6)),
@@ -314,6 +320,7 @@ CASES = [
     "epochs that end at the pass's end",
     "a non-finite loss is trained on",
     "TerminateOnNaN stops it",
+    "an optional input given None",
     "a padded_batch whose length changes every batch",
     "a generator whose batches change length",
     "steps_per_execution 3",

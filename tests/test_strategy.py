@@ -700,6 +700,22 @@ def test_a_loss_tracked_in_compute_loss_reads_the_whole_batchs():
         np.testing.assert_allclose(logs["tracked"], np.multiply(history["loss"], 4), rtol=1e-5)
 
 
+def test_an_optional_input_given_none_gives_one_devices_results():
+    """An input declared optional and given None: every piece holds None for it."""
+    from helpers import with_an_optional_input
+
+    x, y = examples(96)
+    data = dict(x={"x": x, "o": None}, y=y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    expected = with_an_optional_input()
+    history = expected.fit(**data).history
+    with strategy().scope():
+        model = with_an_optional_input()
+    got = model.fit(**data).history
+    for e, g in zip(expected.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["loss"], history["loss"], rtol=1e-5)
+
+
 def test_clipping_acts_on_the_summed_gradient():
     """global_clipnorm, clipnorm, clipvalue: Keras clips each replica's gradient before the
     sum; under tfdp's strategy the sum is clipped, as on one device."""

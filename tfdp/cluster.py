@@ -481,8 +481,8 @@ def arrays_digest(arrays) -> str:
 
     hashed = hashlib.blake2b(digest_size=6)
     for array in arrays:
-        if type(array).__name__.endswith("Spec"):  # tf.TensorSpec, tf.RaggedTensorSpec, ...
-            hashed.update(f"{array!r};".encode())
+        if array is None or type(array).__name__.endswith("Spec"):  # an input left out;
+            hashed.update(f"{array!r};".encode())  # tf.TensorSpec, tf.RaggedTensorSpec, ...
             continue
         array = np.ascontiguousarray(array)
         hashed.update(f"{array.dtype.str}{array.shape};".encode())

@@ -233,7 +233,7 @@ def size(data) -> int | None:
         return data.examples
     if isinstance(data, EvalStream):
         return None
-    return leaves.length(tf.nest.flatten(data)[0])
+    return leaves.length(leaves.first(data))
 
 
 def check_arrays(data, field: str) -> None:
@@ -241,7 +241,7 @@ def check_arrays(data, field: str) -> None:
     the same, non-zero length."""
     if isinstance(data, Arrays):
         return
-    parts = tf.nest.flatten(data)
+    parts = [leaf for leaf in tf.nest.flatten(data) if leaf is not None]  # None: left out
     lengths = [leaves.length(leaf) for leaf in parts]
     if not parts or None in lengths:
         raise ConfigError(
@@ -260,7 +260,10 @@ def _to_tensors(data):
         if isinstance(data, Arrays):
             return tf.convert_to_tensor(data.images), tf.convert_to_tensor(data.labels)
         return tf.nest.map_structure(
-            lambda leaf: leaf if leaves.is_composite(leaf) else tf.convert_to_tensor(leaf), data
+            lambda leaf: leaf
+            if leaf is None or leaves.is_composite(leaf)
+            else tf.convert_to_tensor(leaf),
+            data,
         )
 
 

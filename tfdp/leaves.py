@@ -10,8 +10,9 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 def as_leaf(leaf):
     """One leaf of data as tfdp holds it: a numpy array, or a sparse or ragged tensor
-    (scipy's sparse matrices as tf.SparseTensor, as Keras takes them)."""
-    if is_composite(leaf):
+    (scipy's sparse matrices as tf.SparseTensor, as Keras takes them); None (an optional
+    input left out) stays None, in every batch."""
+    if leaf is None or is_composite(leaf):
         return leaf
     if hasattr(leaf, "tocoo") and hasattr(leaf, "nnz"):  # a scipy sparse matrix
         return data_adapter_utils.scipy_sparse_to_tf_sparse(leaf)
@@ -21,6 +22,12 @@ def as_leaf(leaf):
 def is_composite(leaf) -> bool:
     """Whether a leaf is a sparse or ragged tensor (kept as it is, read by its rows)."""
     return isinstance(leaf, (tf.SparseTensor, tf.RaggedTensor))
+
+
+def first(data):
+    """The first leaf of a nested structure that is not None (an optional input given None
+    holds no examples); None if there is none."""
+    return next((leaf for leaf in tf.nest.flatten(data) if leaf is not None), None)
 
 
 def length(leaf) -> int | None:
@@ -43,7 +50,9 @@ def shape_of(leaf) -> tuple:
 
 
 def rows(leaf, begin, size):
-    """Rows begin..begin+size-1 of a dense, ragged or sparse tensor."""
+    """Rows begin..begin+size-1 of a dense, ragged or sparse tensor (None: None)."""
+    if leaf is None:
+        return None
     if isinstance(leaf, tf.SparseTensor):
         rank = leaf.shape.rank
         start = tf.concat(
@@ -58,6 +67,8 @@ def take(data, begin: int, end: int):
     """Examples begin..end-1 of a nested structure of leaves."""
 
     def part(leaf):
+        if leaf is None:
+            return None
         if isinstance(leaf, tf.SparseTensor):
             return rows(leaf, begin, min(end, length(leaf)) - begin)
         return leaf[begin:end]
@@ -66,7 +77,9 @@ def take(data, begin: int, end: int):
 
 
 def gather_rows(leaf, indices):
-    """The rows `indices` of a dense, ragged or sparse tensor, in that order."""
+    """The rows `indices` of a dense, ragged or sparse tensor, in that order (None: None)."""
+    if leaf is None:
+        return None
     if not isinstance(leaf, tf.SparseTensor):
         return tf.gather(leaf, indices)
     # a sparse tensor's entries in the rows asked for, their rows renumbered 0, 1, ...

@@ -13,13 +13,14 @@ import tensorflow as tf
 
 from tfdp import clock
 from tfdp import shards as shards_lib
-from tfdp.leaves import rows
+from tfdp.leaves import first, rows
 from tfdp.shards import add_gradients
 
 
 def num_examples(batch) -> tf.Tensor:
-    """The examples in a batch: the length of its first leaf (dense, sparse or ragged)."""
-    leaf = tf.nest.flatten(batch)[0]
+    """The examples in a batch: the length of its first leaf (dense, sparse or ragged; not
+    an optional input given None)."""
+    leaf = first(batch)
     if isinstance(leaf, tf.SparseTensor):
         return tf.cast(leaf.dense_shape[0], tf.int32)
     if isinstance(leaf, tf.RaggedTensor):
@@ -279,6 +280,8 @@ def split(batch, sizes, parts):
     leaves = tf.nest.flatten(batch)
     if all(isinstance(leaf, tf.Tensor) for leaf in leaves):
         pieces = [tf.split(leaf, sizes, num=parts) for leaf in leaves]
+    elif all(leaf is None or isinstance(leaf, tf.Tensor) for leaf in leaves):
+        pieces = [[None] * parts if leaf is None else tf.split(leaf, sizes, num=parts) for leaf in leaves]
     else:
         sizes = tf.convert_to_tensor(sizes)
         starts = tf.concat([[0], tf.cumsum(sizes)[:-1]], 0)

@@ -221,9 +221,19 @@ class UnevenShares:
                 1 if options is None else options.experimental_per_replica_buffer_size
             ),
         )
-        distributed = self.distribute_datasets_from_function(
-            lambda context: pieces_for(context.input_pipeline_id * local), input_options
-        )
+        # Every replica gets a piece of every batch (maybe empty), so TensorFlow's stand-ins
+        # for a replica without data are never used; they cannot be made for a None (an
+        # optional input given None), so a dataset holding one is read without them.
+        extended = self.extended
+        stand_ins = extended.experimental_enable_get_next_as_optional
+        if any(_none_for_none_spec(spec) is None for spec in tf.nest.flatten(structure)):
+            extended.experimental_enable_get_next_as_optional = False
+        try:
+            distributed = self.distribute_datasets_from_function(
+                lambda context: pieces_for(context.input_pipeline_id * local), input_options
+            )
+        finally:
+            extended.experimental_enable_get_next_as_optional = stand_ins
         distributed._tfdp_element_spec = structure  # noqa: SLF001 (Keras builds the model from it)
         return distributed
 
@@ -553,6 +563,7 @@ def _install_keras_functions() -> None:
         spec = getattr(dataset, "_tfdp_element_spec", None)
         if not isinstance(strategy, UnevenShares) or data_batch is not None or spec is None:
             return keras_build(self, iterator=iterator, data_batch=data_batch)
+        spec = tf.nest.map_structure(_none_for_none_spec, spec)  # an optional input given None
         with strategy.scope():
             self._symbolic_build(data_batch=spec)  # noqa: SLF001
 
@@ -740,6 +751,12 @@ def _shares(powers):
 
 def _device_names(devices):
     return [d if isinstance(d, str) else d.name for d in devices]
+
+
+def _none_for_none_spec(spec):
+    """None for the spec of a None in a dataset's elements (Keras builds an optional input
+    given None from None), any other spec as it is."""
+    return None if type(spec).__name__ == "NoneTensorSpec" else spec
 
 
 def _has_rows(spec) -> bool:
