@@ -407,3 +407,22 @@ def test_auto_powers_on_shapes_decided_while_reading_time_the_first_batch_read_a
     assert any(
         not np.allclose(a, b) for a, b in zip(unread.get_weights(), want.get_weights())
     )
+
+
+def test_a_dataset_a_strategy_distributed_trains_on_its_global_batches():
+    """`strategy.experimental_distribute_dataset(ds)`, as Keras' fit takes it under a
+    strategy: tfdp.fit trains on ds's global batches, cut for its own devices."""
+    x, y = TRAIN
+    want = classifier()
+    want.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=2, verbose=0)
+    for strategy in (
+        tf.distribute.MirroredStrategy(["cpu:0", "cpu:1"]),
+        tfdp.MirroredStrategy(["cpu:0", "cpu:1"], powers=[1, 3]),
+    ):
+        distributed = strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        )
+        got = classifier()
+        tfdp.fit(got, distributed, epochs=2, verbose=0, **MODES["weighted [1, 3]"])
+        for a, b in zip(got.get_weights(), want.get_weights(), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -89,6 +89,8 @@ def fit(
     epochs, steps_per_epoch = keras_caps(epochs, steps_per_epoch)
     if config is not None and settings:
         raise ConfigError("config", config, f"and settings {sorted(settings)} both given; give one")
+    x = streams.undistributed(x, "x")
+    validation_data = streams.undistributed(validation_data, "validation_data")
     train, validation = fit_data(
         x, y, sample_weight, class_weight, validation_split, validation_data
     )

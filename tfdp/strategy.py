@@ -235,6 +235,7 @@ class UnevenShares:
         finally:
             extended.experimental_enable_get_next_as_optional = stand_ins
         distributed._tfdp_element_spec = structure  # noqa: SLF001 (Keras builds the model from it)
+        distributed._tfdp_dataset = dataset  # noqa: SLF001 (tfdp.fit cuts its global batches itself)
         return distributed
 
     # -- the step -----------------------------------------------------------------------

@@ -165,6 +165,25 @@ def is_stream_input(x) -> bool:
     return isinstance(x, (tf.data.Dataset, keras.utils.PyDataset, types.GeneratorType))
 
 
+def undistributed(x, field: str):
+    """A dataset a strategy distributed (`strategy.experimental_distribute_dataset(ds)`, as
+    Keras' fit takes under a strategy): `ds`, its global batches, which tfdp cuts for its
+    own devices; anything else as it is. One distributed from a function holds each
+    worker's part only, and is refused."""
+    if not isinstance(x, tf.distribute.DistributedDataset):
+        return x
+    original = getattr(x, "_original_dataset", None)  # TensorFlow's DistributedDataset
+    original = getattr(x, "_tfdp_dataset", original)  # tfdp.MirroredStrategy's
+    if isinstance(original, tf.data.Dataset):
+        return original
+    raise ConfigError(
+        field,
+        type(x).__name__,
+        "is distributed from a function (each worker's part of a batch): give tfdp.fit "
+        "the tf.data.Dataset of whole global batches",
+    )
+
+
 def makes_own_batches(x) -> bool:
     """Whether a stream input comes in batches of its own: a batched tf.data pipeline,
     a PyDataset, a generator."""
