@@ -216,12 +216,12 @@ def weighing_output_losses(model, fraction):
 
 
 def _own_means(model):
-    """The model's own `Mean` trackers (a step of its own updates them, as keras.io's
-    `loss_tracker`), not Keras' loss tracker (which Keras weighs by the batch's size)."""
+    """The model's `Mean` trackers of a scalar: a step's own (keras.io's `loss_tracker`), and
+    Keras' loss tracker where a step of its own updates it without a weight (Keras' own
+    step weighs it by the batch's size, which the wrapper leaves as it is)."""
     import keras
     from keras.src.metrics.reduction_metrics import MeanMetricWrapper
 
-    keras_own = getattr(model, "_loss_tracker", None)
     try:
         metrics = list(model.metrics)
     except Exception:  # noqa: BLE001 - a `metrics` property of the user's that fails unbuilt
@@ -231,7 +231,6 @@ def _own_means(model):
         for m in metrics
         if isinstance(m, keras.metrics.Mean)
         and not isinstance(m, MeanMetricWrapper)  # of (y_true, y_pred): per example
-        and m is not keras_own
     ]
 
 
