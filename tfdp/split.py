@@ -137,9 +137,7 @@ def timing_examples(train_data, count: int, log):
     that reads a pipeline ahead: `Stream.examples_to_time`)."""
     if not data_lib.is_stream(train_data):
         return data_lib.first_examples(train_data, count)
-    if train_data.reads_ahead and not train_data._read_ahead:  # noqa: SLF001 - said once
-        log(train_data.reads_ahead)
-    return train_data.examples_to_time(count)
+    return train_data.examples_to_time(count, log)
 
 
 def training_data(config, data) -> Agreed:

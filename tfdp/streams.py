@@ -96,28 +96,22 @@ class Stream:
         """The first `count` examples (at most a batch): `first_of` the sample."""
         return first_of(self.sample, count)
 
-    def examples_to_time(self, count: int):
+    def examples_to_time(self, count: int, log):
         """`count` examples (at most a batch) to time the devices on. Where the pipeline
-        decides shapes as it reads, its first batch, read once ahead (an iteration of
-        the pipeline of its own: a shuffle that reshuffles each pass starts training
-        on its second order; `reads_ahead`)."""
+        decides shapes as it reads, its first batch, read once ahead in an iteration of
+        its own, and said in one line through `log` (a shuffle that reshuffles each pass
+        then starts training on its second order)."""
         if self.shapes_known:
             return self.first_examples(count)
         if not self._read_ahead:
+            log(
+                f"the devices are timed on the {self.source}'s first batch, read once ahead "
+                "(its shapes are decided as it reads): a shuffle that reshuffles each pass "
+                "starts training on its second order"
+            )
             with tf.device("/cpu:0"):
                 self._read_ahead.append(next(iter(self.dataset.take(1))))
         return leaves.take(self._read_ahead[0], 0, count)
-
-    @property
-    def reads_ahead(self) -> str | None:
-        """What timing the devices costs the pipeline, in a line, if anything."""
-        if self.shapes_known:
-            return None
-        return (
-            f"the devices are timed on the {self.source}'s first batch, read once ahead "
-            "(its shapes are decided as it reads): a shuffle that reshuffles each pass "
-            "starts training on its second order"
-        )
 
     def training_batches(self, start_step: int = 0, passes: int = 0) -> tf.data.Dataset:
         """The global batches of steps start_step, start_step + 1, ...: pass after pass,
