@@ -35,8 +35,9 @@ TOY = ["--model=toy", "--batch_size=256", "--progress=never"]
 
 
 def single(model_dir, **changes):
-    """The toy run of TOY's flags in mode single, in this process: the lines it logged."""
-    config = Config(model="toy", batch_size=256, model_dir=str(model_dir), **changes)
+    """The toy run of TOY's flags (with `changes`) in mode single, in this process: the
+    lines it logged."""
+    config = Config(**{"model": "toy", "batch_size": 256, **changes}, model_dir=str(model_dir))
     return train(config)[1]
 
 
@@ -421,9 +422,14 @@ import numpy as np
 def model():
     keras.utils.set_random_seed(7)
     a, b = keras.Input((6,), name="a"), keras.Input((4,), name="b")
+    # a frozen base called with training=False (keras.io's transfer learning): its
+    # weights and batch statistics stay as they are
+    base = keras.Sequential([keras.layers.Dense(8), keras.layers.BatchNormalization()])
+    base.build((None, 4))
+    base.trainable = False
     h = keras.layers.Concatenate()([
         keras.layers.Dense(16, activation="tanh", kernel_regularizer="l2")(a),
-        keras.layers.Dense(8, activation="relu")(b),
+        keras.layers.Dense(8, activation="relu")(base(b, training=False)),
     ])
     out = keras.layers.Dense(3, kernel_regularizer=keras.regularizers.L2(0.05))(h)
     m = keras.Model({"a": a, "b": b}, out, name="two_inputs")
@@ -445,7 +451,8 @@ def data():
 
 @pytest.mark.slow
 def test_two_workers_make_the_single_update_for_a_user_model(tmp_path):
-    """Dict inputs, L2, Adam with global clipping and sample weights, over 2 workers;
+    """Dict inputs, L2, Adam with global clipping, sample weights and a frozen base with
+    batch normalization, over 2 workers;
     250 examples in batches of 60, so the fifth step is an epoch's last 10."""
     source = tmp_path / "user.py"
     source.write_text(USER_MODEL)
@@ -470,7 +477,8 @@ def test_two_workers_make_the_single_update_for_a_user_model(tmp_path):
     assert "global batch 60 = 15 + 45 over 2 worker(s)" in workers.stdout
     got, expected = load_weights(tmp_path / "workers"), load_weights(tmp_path / "single")
     start = initial_weights_of(source)
-    assert min(np.abs(w - w0).max() for w, w0 in zip(expected, start)) > 1e-4  # all moved
+    moved = [np.abs(w - w0).max() > 1e-4 for w, w0 in zip(expected, start, strict=True)]
+    assert moved.count(False) == 6  # the frozen base's kernel, bias and batch normalization
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
     assert result(str(tmp_path / "workers"))["test_metrics"] == pytest.approx(
@@ -486,3 +494,80 @@ def initial_weights_of(source):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.model().get_weights()
+
+
+OWN_STEP_MODEL = """
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+@keras.saving.register_keras_serializable(package="tfdp_tests")
+class OwnStep(keras.Model):
+    # keras.io's lower-level train_step: its own mean loss and its own Mean of it
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(2)
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(y - self(x, training=True)))
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+
+def model():
+    keras.utils.set_random_seed(3)
+    m = OwnStep()
+    m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    m.build((None, 5))
+    return m
+
+
+def data():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(200, 5)).astype(np.float32)
+    y = np.stack([x[:, 0] * x[:, 1], np.sin(x[:, 2])], 1).astype(np.float32)
+    return (x, y), (x, y)
+"""
+
+
+@pytest.mark.slow
+def test_two_workers_run_a_models_own_train_step_as_single_runs_it(tmp_path):
+    """keras.io's lower-level train_step over uneven workers: the update and the logged
+    loss (its own Mean of its own mean loss) are single's, each worker's loss counted
+    by its share of the batch."""
+    source = tmp_path / "own.py"
+    source.write_text(OWN_STEP_MODEL)
+    steps = [f"--model={source}:model", f"--dataset={source}:data", "--batch_size=40",
+             "--iterations=4", "--log_every=1", "--progress=never"]
+    single_lines = single(tmp_path / "single", model=f"{source}:model",
+                          dataset=f"{source}:data", batch_size=40, iterations=4, log_every=1)
+    workers = launch(*steps, "--powers=1,3", f"--model_dir={tmp_path / 'workers'}")
+    assert workers.returncode == 0, workers.stderr
+    initial_weights_of(source)  # (registers the model's class, to load it)
+    for got, want in zip(load_weights(tmp_path / "workers"), load_weights(tmp_path / "single"),
+                         strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+    def losses(lines):
+        return [float(line.split("loss ")[1].split()[0]) for line in lines
+                if line.startswith("iteration ") and "test" not in line]
+
+    want = losses(single_lines)
+    assert len(want) == 4  # iterations 0 to 3
+    for worker in (0, 1):
+        got = losses(worker_lines(workers.stdout, worker))
+        np.testing.assert_allclose(got, want, rtol=1e-5)

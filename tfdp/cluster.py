@@ -5,7 +5,7 @@ each worker) or from the variables srun sets for each task of a Slurm step
 (`slurm_cluster`: one worker per task); `find_cluster` picks the source and
 writes a Slurm cluster to TF_CONFIG, so every later step reads one form.
 
-Every worker runs `tf.distribute.MultiWorkerMirroredStrategy` (trainers/multiworker.py).
+Every worker runs `tfdp.MultiWorkerMirroredStrategy` (trainers/multiworker.py).
 Only the chief (task `chief`, else `worker:0`) writes the model directory.
 A worker that dies makes the others stop with an error: a closed connection
 fails the next all-reduce at once, and TensorFlow's coordination service
@@ -331,7 +331,7 @@ _joined_with = None  # the (collective, collective_timeout) the strategy was mad
 
 
 def join_cluster(config=None, **settings):
-    """This process's MultiWorkerMirroredStrategy, made once per process.
+    """This process's `tfdp.MultiWorkerMirroredStrategy` (even shares), made once per process.
 
     It must come before any other TensorFlow op: it starts this worker's
     server and waits until every worker of TF_CONFIG has started. A script
@@ -363,8 +363,14 @@ def join_cluster(config=None, **settings):
         options = tf.distribute.experimental.CommunicationOptions(
             implementation=implementation, timeout_seconds=config.collective_timeout or None
         )
+        from tfdp.strategy import MultiWorkerMirroredStrategy
+
         try:
-            _strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+            _strategy = MultiWorkerMirroredStrategy(
+                communication_options=options,
+                cluster=config.cluster,
+                slurm_port_base=config.slurm_port_base,
+            )
         except RuntimeError as error:
             if "must be configured at program startup" not in str(error):
                 raise

@@ -287,26 +287,3 @@ def split(batch, sizes, parts):
         starts = tf.concat([[0], tf.cumsum(sizes)[:-1]], 0)
         pieces = [[rows(leaf, starts[j], sizes[j]) for j in range(parts)] for leaf in leaves]
     return [tf.nest.pack_sequence_as(batch, [piece[j] for piece in pieces]) for j in range(parts)]
-
-
-def clip_before_all_reduce(optimizer, gradients):
-    """Gradients for `optimizer.apply_gradients` inside a replica, so that its clipping
-    (clipnorm, clipvalue, global_clipnorm) acts on the summed gradient.
-
-    Keras' optimizer clips each replica's gradient and only then sums them, so
-    a replica's clip would depend on its shard. With clipping set, this sums
-    the gradients first, clips the sum as the optimizer would, and hands each
-    replica 1/n of it: the optimizer's own clip then changes nothing (each
-    part is within its bound) and its sum is the clipped sum. Without
-    clipping, the gradients go as they are (no extra all-reduce).
-    """
-    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
-    if not any(
-        getattr(optimizer, name, None) for name in ("clipnorm", "clipvalue", "global_clipnorm")
-    ):
-        return gradients
-    context = tf.distribute.get_replica_context()
-    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, gradients)
-    clipped = optimizer._clip_gradients(summed)  # noqa: SLF001 - Keras' own clipping rule
-    replicas = tf.cast(context.num_replicas_in_sync, clipped[0].dtype)
-    return [g / replicas for g in clipped]

@@ -81,6 +81,7 @@ class UnevenShares:
             self._slowdown_per_example = tf.Variable(tf.zeros([count], tf.float64), trainable=False)
             self._last_seconds = tf.Variable(tf.zeros([count], tf.float64), trainable=False)
         self._reports_seconds = False
+        self._sent = self._received = None
         self.notes = []  # how it ran a model's own step, where not as Keras would (one line each)
         self.warn_notes = True
         self._sleep_per_example = None
@@ -125,6 +126,34 @@ class UnevenShares:
                 self._sleep_per_example = tf.Variable(
                     sleep_per_example, dtype=tf.float64, trainable=False, name="tfdp_sleep"
                 )
+
+    def send_along(self, values) -> None:
+        """Every step from now on also sums `values` (a float32 vector variable of this
+        worker's) over the workers, in the all-reduce that counts the batch's rows, so it
+        costs no collective of its own (a driver's stop signals); `received` holds the last
+        step's sum. Takes effect in steps traced after it."""
+        self._sent = values
+        with tf.init_scope(), tf.device("/cpu:0"):
+            self._received = tf.Variable(
+                tf.zeros_like(values), trainable=False, name="tfdp_received"
+            )
+
+    @property
+    def received(self) -> tf.Tensor:
+        """The workers' `send_along` values summed in the last step (zeros before one)."""
+        return self._received.read_value()
+
+    def _count_rows(self, context, all_reduce, rows):
+        """The batch's rows (the sum of every replica's `rows`), with `send_along`'s sum."""
+        if self._sent is None:
+            return all_reduce(tf.distribute.ReduceOp.SUM, rows)
+        replica = int(tf.get_static_value(context.replica_id_in_sync_group))
+        first = replica % self.local_replicas == 0  # one replica per worker sends
+        sent = tf.convert_to_tensor(self._sent) if first else tf.zeros_like(self._sent)
+        both = all_reduce(tf.distribute.ReduceOp.SUM, tf.concat([[rows], sent], 0))
+        if first:
+            self._received.assign(both[1:])
+        return both[0]
 
     @property
     def sleep_per_example(self):
@@ -264,7 +293,7 @@ class UnevenShares:
             context = tf.distribute.get_replica_context()
             all_reduce = _placed(context, self)  # tfdp's own reductions are never timed
             rows = tf.cast(rows, tf.float32)
-            total = all_reduce(tf.distribute.ReduceOp.SUM, rows)
+            total = self._count_rows(context, all_reduce, rows)
             fraction = tf.math.divide_no_nan(rows, total)
             clock = None
             if timed:  # from the moment every piece is in (the sum of rows) ...
@@ -294,6 +323,11 @@ class UnevenShares:
             return outputs
 
         return super().run(weighed, args=args, kwargs=kwargs or {}, options=options)
+
+    def run_unweighed(self, fn, args=(), kwargs=None):
+        """TensorFlow's `run`: `fn` in every replica as it is, with no collective of tfdp's
+        (a probe that times one worker alone must not wait for the others)."""
+        return tf.distribute.Strategy.run(self, fn, args=args, kwargs=kwargs or {})
 
     def _say_not_scaled(self, model, fn, weighed) -> None:
         """One line, once per strategy and step, for an own step whose loss Keras never

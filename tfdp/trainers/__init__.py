@@ -4,7 +4,8 @@ single       SingleDeviceTrainer: the model on one device, no split, no copies
 mirrored     KerasStepTrainer: the model's own step under tfdp.MirroredStrategy, even shares
 weighted     KerasStepTrainer with the run's uneven shares; the gradients summed on
              device 0 and sent back (--reduce=device0, the tutorial) or all-reduced
-multiworker  MultiWorkerTrainer: one process per worker of TF_CONFIG
+multiworker  MultiWorkerTrainer: the KerasStepTrainer of one worker of TF_CONFIG, under
+             tfdp.MultiWorkerMirroredStrategy
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def build_trainer(
         from tfdp.trainers import multiworker
 
         return multiworker.build(config, shards, model, jit_compile)
-    from tfdp.trainers.keras_step import KerasStepTrainer
+    from tfdp.trainers.keras_step import KerasStepTrainer, local_strategy
     from tfdp.trainers.single import SingleDeviceTrainer
 
     slowdown = bool(config.simulate_slowdown)
@@ -43,12 +44,14 @@ def build_trainer(
     timed = config.powers == AUTO or bool(config.rebalance_every) or slowdown
     if len(devices) > 1:
         even = config.mode == "mirrored"
+        strategy = local_strategy(
+            devices, shards, "allreduce" if even else config.reduce, config.all_reduce
+        )
         return KerasStepTrainer(
             model,
+            strategy,
             devices,
             shards,
-            reduce="allreduce" if even else config.reduce,
-            all_reduce=config.all_reduce,
             input=config.mirrored_input if even else "split",
             balanced=not even,
             slowdown=slowdown,

@@ -36,16 +36,29 @@ def cross_device_ops_for(all_reduce: str, devices):
     return None  # auto
 
 
+def local_strategy(devices, shards, reduce="allreduce", all_reduce="auto") -> MirroredStrategy:
+    """tfdp's strategy over `devices` of this machine, cutting batches by `shards`.
+
+    reduce: "allreduce", or "device0" (the gradients summed on device 0 and sent back).
+    all_reduce: with reduce="allreduce", see `cross_device_ops_for`.
+    """
+    cross_device_ops = None if reduce == "device0" else cross_device_ops_for(all_reduce, devices)
+    # The shares cut a dataset (input "dataset"); a batch smaller than the devices
+    # leaves a replica none, which even shares give too.
+    powers = list(shards) if min(shards) > 0 else None
+    return MirroredStrategy(list(devices), powers=powers, reduce=reduce, cross_device_ops=cross_device_ops)
+
+
 class KerasStepTrainer(Trainer):
-    """Synchronous replicas of one Keras model on the devices of one machine."""
+    """Synchronous replicas of one Keras model, each running the model's own step on its
+    piece of every global batch."""
 
     def __init__(
         self,
         model,
+        strategy,
         devices,
         shards,
-        reduce="allreduce",
-        all_reduce="auto",
         input="split",
         balanced=False,
         slowdown=False,
@@ -55,11 +68,12 @@ class KerasStepTrainer(Trainer):
         """
         Args:
           model: a compiled, built Keras model (any kind): it is trained in place, its
-            variables mirrored over `devices` while the trainer is open.
-          devices: canonical device names, one replica each.
-          shards: examples of a full global batch per replica.
-          reduce: "allreduce", or "device0" (the gradients summed on device 0 and sent back).
-          all_reduce: with reduce="allreduce", see `cross_device_ops_for`.
+            variables mirrored over the strategy's replicas while the trainer is open.
+          strategy: tfdp's strategy of the mode (`local_strategy`, or a
+            `tfdp.MultiWorkerMirroredStrategy`).
+          devices: what the batch is split over: the devices of one machine, one replica
+            each, or the workers of a cluster.
+          shards: examples of a full global batch on each of `devices`.
           input: "split": each global batch is cut on the host by `shards`; "dataset": the
             strategy cuts a dataset of global batches itself (its iterator cannot be saved).
           balanced: the split is the run's own (mode weighted): it may be measured,
@@ -75,17 +89,11 @@ class KerasStepTrainer(Trainer):
         self.balanced = balanced
         self.timed = timed or slowdown
         self.input = input
-        self.all_reduce = "reduce_to_one" if reduce == "device0" else all_reduce
-        cross_device_ops = None if reduce == "device0" else cross_device_ops_for(all_reduce, devices)
-        # The shares cut a dataset (input "dataset"); a batch smaller than the devices
-        # leaves a replica none, which even shares give too.
-        powers = self.shards if min(self.shards) > 0 else None
-        self.strategy = MirroredStrategy(
-            self.devices, powers=powers, reduce=reduce, cross_device_ops=cross_device_ops
-        )
+        self.strategy = strategy
         self.strategy.warn_notes = False  # the run says them (`notes`)
         if self.timed:
-            self.strategy.report_seconds([0.0] * len(self.devices) if slowdown else None)
+            replicas = strategy.num_replicas_in_sync
+            self.strategy.report_seconds([0.0] * replicas if slowdown else None)
         with tf.device("/cpu:0"):  # the batch is cut on the host
             self.shard_sizes = tf.Variable(self.shards, dtype=tf.int32, trainable=False)
         self.model = model
@@ -97,7 +105,7 @@ class KerasStepTrainer(Trainer):
         if jit_compile and not self.jit_compile:
             self._notes.append(
                 "jit_compile: the step runs without XLA: one XLA program cannot span the "
-                f"devices {', '.join(self.devices)}"
+                f"devices {', '.join(strategy.extended.worker_devices)} and their all-reduce"
             )
         # probes time each replica's forward and backward pass without the update
         self.probe = DeviceWork(model, 1, False, True, may_be_empty=True)
@@ -111,7 +119,7 @@ class KerasStepTrainer(Trainer):
     def describe(self) -> str:
         if not self.balanced:
             return ""
-        if self.all_reduce == "reduce_to_one":
+        if getattr(self.strategy, "reduce_to", None) == "device0":
             return "; gradients summed on device0 and sent back"
         return "; gradients summed by allreduce"
 
@@ -132,8 +140,13 @@ class KerasStepTrainer(Trainer):
 
     def _step(self, batch):
         logs = self._replicas_train(self._pieces(batch))
-        seconds = self.strategy.last_seconds if self.timed else tf.zeros([len(self.devices)], tf.float64)
-        return {"logs": logs, "device_seconds": seconds}
+        return {"logs": logs, "device_seconds": self._seconds()}
+
+    def _seconds(self):
+        """Each device's seconds in the step just run (zeros where not timed)."""
+        if not self.timed:
+            return tf.zeros([len(self.devices)], tf.float64)
+        return self.strategy.last_seconds
 
     def _train_replicas(self, pieces):
         return self._first(self.strategy.run(self.model.train_step, args=(pieces,)))
