@@ -262,7 +262,8 @@ def test_sigterm_to_one_worker_stops_both_at_the_same_saved_step(tmp_path, strai
 READ_A_WORKER_ITERATOR = """
 import json
 from tfdp import Config, data
-from tfdp.cluster import join_cluster, read_cluster
+from tfdp.cluster import read_cluster
+from tfdp.cluster_strategy import join_cluster
 from tfdp.trainers import build_trainer
 config = Config(mode="multiworker", model="toy", batch_size=8)
 workers = list(read_cluster().workers)

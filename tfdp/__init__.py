@@ -21,7 +21,7 @@ from tfdp.errors import ConfigError
 
 _LAZY = {
     "fit": "tfdp.fitting",
-    "join_cluster": "tfdp.cluster",
+    "join_cluster": "tfdp.cluster_strategy",
     "train": "tfdp.training",
     "prepare": "tfdp.training",
     "run": "tfdp.training",
@@ -36,7 +36,7 @@ _LAZY = {
     "train_dataset": "tfdp.data",
     "KerasStepTrainer": "tfdp.trainers.keras_step",
     "MirroredStrategy": "tfdp.strategy",
-    "MultiWorkerMirroredStrategy": "tfdp.strategy",
+    "MultiWorkerMirroredStrategy": "tfdp.cluster_strategy",
     "SingleDeviceTrainer": "tfdp.trainers.single",
 }
 

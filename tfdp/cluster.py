@@ -170,7 +170,7 @@ def find_cluster(config, environ=None) -> Cluster:
     if source == "tf_config":
         return read_cluster(environ.get(TF_CONFIG, ""))
     cluster = slurm_cluster(config.slurm_port_base, environ)
-    if _strategy is None:  # a joined cluster holds its own port
+    if not _joined:  # a joined cluster holds its own port
         check_port_free(cluster, config.slurm_port_base)
     gpus = slurm_gpus(environ, cluster)
     if gpus is not None:
@@ -326,77 +326,13 @@ def check_port_free(cluster: Cluster, port_base: int) -> None:
         probe.close()
 
 
-_strategy = None
-_joined_with = None  # the (collective, collective_timeout) the strategy was made with
+_joined = False  # this process has joined its cluster (`cluster_strategy.join_cluster`)
 
 
-def join_cluster(config=None, **settings):
-    """This process's `tfdp.MultiWorkerMirroredStrategy` (even shares), made once per process.
-
-    It must come before any other TensorFlow op: it starts this worker's
-    server and waits until every worker of TF_CONFIG has started. A script
-    that builds its model before `tfdp.fit(..., mode="multiworker")` calls
-    `tfdp.join_cluster()` first, as a Keras script makes its
-    MultiWorkerMirroredStrategy first (settings: `cluster`, `slurm_port_base`,
-    `collective`, `collective_timeout`, as in `tfdp.Config`).
-    """
-    global _strategy, _joined_with
-    if config is None:
-        config = Config(mode="multiworker", **settings)
-    joined = ("cluster", "slurm_port_base", "collective", "collective_timeout")
-    wanted = {field: getattr(config, field) for field in joined}
-    if _strategy is not None and wanted != _joined_with:
-        field = next(f for f in joined if wanted[f] != _joined_with[f])
-        held = ", ".join(f"{f}={v}" for f, v in _joined_with.items())
-        raise ConfigError(
-            field,
-            getattr(config, field),
-            f"differs from the cluster this process joined with {held}",
-        )
-    if _strategy is None:
-        cluster = find_cluster(config)
-        import tensorflow as tf
-
-        implementation = getattr(
-            tf.distribute.experimental.CommunicationImplementation, config.collective.upper()
-        )
-        options = tf.distribute.experimental.CommunicationOptions(
-            implementation=implementation, timeout_seconds=config.collective_timeout or None
-        )
-        from tfdp.strategy import MultiWorkerMirroredStrategy
-
-        try:
-            _strategy = MultiWorkerMirroredStrategy(
-                communication_options=options,
-                cluster=config.cluster,
-                slurm_port_base=config.slurm_port_base,
-            )
-        except RuntimeError as error:
-            if "must be configured at program startup" not in str(error):
-                raise
-            raise ConfigError(
-                "mode",
-                "multiworker",
-                "joins the cluster before any other TensorFlow op: call tfdp.join_cluster() "
-                "before building the model",
-            ) from None
-        except tf.errors.UnknownError as error:
-            if "Could not start gRPC server" not in str(error):
-                raise
-            address = cluster.addresses[cluster.index]
-            field, value = (
-                ("slurm_port_base", config.slurm_port_base)
-                if cluster.source == "slurm"
-                else (TF_CONFIG, address)
-            )
-            raise ConfigError(
-                field,
-                value,
-                f"Could not start gRPC server on {address} for {cluster.task}: "
-                "the port is in use by another process; give a free port",
-            ) from None
-        _joined_with = wanted
-    return _strategy
+def mark_joined() -> None:
+    """This process's server is up: it holds its own port from now on."""
+    global _joined
+    _joined = True
 
 
 def is_cluster_error(error: BaseException) -> bool:

@@ -322,7 +322,7 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
     partition(with_batch_size(config, None), devices)  # bad powers fail before data is read
     check_balancing(config, devices)
     if config.mode == "multiworker":
-        from tfdp.cluster import join_cluster
+        from tfdp.cluster_strategy import join_cluster
 
         join_cluster(config)  # before any other TensorFlow op; waits for every worker
     if train_data is None:

@@ -422,39 +422,6 @@ class MirroredStrategy(UnevenShares, tf.distribute.MirroredStrategy):
         self._set_up_shares(powers, rebalance_every, measure_steps, simulate_slowdown)
 
 
-class MultiWorkerMirroredStrategy(UnevenShares, tf.distribute.MultiWorkerMirroredStrategy):
-    """TensorFlow's MultiWorkerMirroredStrategy with uneven shares: every worker reads the
-    global batches (the same data on every worker, not sharded) and keeps its replicas'
-    pieces of each, so plain `model.fit` on each worker makes one device's update.
-
-    Args:
-      powers: one relative speed per replica, in worker order (one per worker on CPU-only
-        workers); "auto" or None as in `tfdp.MirroredStrategy`.
-      cluster: where the cluster comes from: "auto", "tf_config" or "slurm" (as `tfdp
-        --cluster`); TF_CONFIG is set from Slurm's variables where needed.
-      communication_options: as TensorFlow's.
-      rebalance_every, measure_steps, simulate_slowdown: as in `tfdp.MirroredStrategy`.
-    """
-
-    def __init__(
-        self,
-        powers=None,
-        *,
-        cluster="auto",
-        communication_options=None,
-        rebalance_every=None,
-        measure_steps=5,
-        simulate_slowdown=None,
-        **settings,
-    ):
-        from tfdp.cluster import find_cluster
-        from tfdp.config import Config
-
-        find_cluster(Config(mode="multiworker", cluster=cluster, **settings))
-        super().__init__(communication_options=communication_options)
-        self._set_up_shares(powers, rebalance_every, measure_steps, simulate_slowdown)
-
-
 def whole_batch_logs(model, logs, fraction, context, all_reduce=None):
     """A Keras step's logs as the whole batch gives them: every value that is one of the
     model's metrics read from its variables summed over the replicas; any other float

@@ -275,7 +275,8 @@ def measure_multiworker(spec: Spec, job: dict) -> dict:
     trainer's split (`split.DeviceSplit`)), and the bench drives the
     rebalancing per step as its loop does."""
     from tfdp import Config
-    from tfdp.cluster import join_cluster, read_cluster
+    from tfdp.cluster import read_cluster
+    from tfdp.cluster_strategy import join_cluster
     from tfdp.devices import parse_slowdown, reserve_sleeping_threads, set_intra_op_threads
     from tfdp.trainers import build_trainer
     from tfdp.training import partition

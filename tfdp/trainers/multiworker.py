@@ -41,13 +41,8 @@ import tensorflow as tf
 
 from tfdp import shards as shards_lib
 from tfdp.checkpoints import Checkpointer
-from tfdp.cluster import (
-    Agreed,
-    arrays_digest,
-    find_cluster,
-    join_cluster,
-    settings_to_agree,
-)
+from tfdp.cluster import Agreed, arrays_digest, find_cluster, settings_to_agree
+from tfdp.cluster_strategy import join_cluster
 from tfdp.devices import AUTO, split_batch
 from tfdp.errors import ConfigError
 from tfdp.exchange import Cluster
