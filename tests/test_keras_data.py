@@ -7,7 +7,8 @@ with fewer examples than devices (a device gets none), inputs as a tuple, list o
 validation data in each form `fit` takes, class weights on a PyDataset or a generator, a
 stream of unknown length, epochs that end at a pass's end, a non-finite loss (trained on,
 as Keras does; TerminateOnNaN stops it), batches whose shape changes every step (a
-`padded_batch` of text, a generator), an optional input given None, and what the model was compiled with
+`padded_batch` of text, a generator), an optional input given None, a dict of mixed
+dtypes with a string, and what the model was compiled with
 (`steps_per_execution`, `run_eagerly`, `jit_compile`, `loss_weights`)."""
 
 import functools
@@ -153,6 +154,32 @@ def text_classifier():
     return model
 
 
+def with_a_word():
+    """Dict inputs of mixed dtypes: numbers, and a word looked up in a vocabulary."""
+    keras.utils.set_random_seed(2)
+    numbers = keras.Input((FEATURES,), name="numbers")
+    word = keras.Input((1,), dtype="string", name="word")
+    looked_up = keras.layers.StringLookup(
+        vocabulary=["red", "green", "blue"], output_mode="multi_hot"
+    )(word)
+    hidden = keras.layers.Dense(8, activation="tanh")(
+        keras.layers.Concatenate()([numbers, looked_up])
+    )
+    model = keras.Model({"numbers": numbers, "word": word}, keras.layers.Dense(CLASSES)(hidden))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def words(x):
+    """A word for each example, one of them not in the vocabulary."""
+    kinds = (x[:, 2] > 0) * 2 + (x[:, 3] > 0)
+    return np.array([["red", "green", "blue", "pink"][int(k)] for k in kinds])[:, None]
+
+
 def sentences(n, seed):
     """n token sequences of 2 to 8 tokens, and a class of each."""
     rng = np.random.default_rng(seed)
@@ -277,6 +304,14 @@ def case_data(name):
             text_classifier,
             dict(x=padded_batches(60, 16, 5), epochs=1),
         ),
+        "a dict of mixed dtypes with a string": (
+            with_a_word,
+            dict(
+                x=tf.data.Dataset.from_tensor_slices(({"numbers": x, "word": words(x)}, y))
+                .batch(16),
+                epochs=2,
+            ),
+        ),
         "steps_per_execution 3": (functools.partial(classifier, steps_per_execution=3), plain),
         "run_eagerly": (functools.partial(classifier, run_eagerly=True), plain),
         "jit_compile": (functools.partial(classifier, jit_compile=True), plain),
@@ -323,6 +358,7 @@ CASES = [
     "an optional input given None",
     "a padded_batch whose length changes every batch",
     "a generator whose batches change length",
+    "a dict of mixed dtypes with a string",
     "steps_per_execution 3",
     "run_eagerly",
     "jit_compile",

@@ -273,7 +273,10 @@ def _sample(spec, batch_size: int):
                 [batch_size, *leaf.shape[1:]],
             )
         if isinstance(leaf, tf.TensorSpec):
-            return np.zeros((batch_size, *leaf.shape[1:]), leaf.dtype.as_numpy_dtype)
+            shape = (batch_size, *leaf.shape[1:])
+            if leaf.dtype == tf.string:  # (numpy's zeros of bytes are Python ints)
+                return np.full(shape, b"", dtype=object)
+            return np.zeros(shape, leaf.dtype.as_numpy_dtype)
         return _with_batch(leaf, batch_size)  # a ragged leaf
 
     return tf.nest.map_structure(sample, spec)
