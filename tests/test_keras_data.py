@@ -7,7 +7,8 @@ with fewer examples than devices (a device gets none), inputs as a tuple, list o
 validation data in each form `fit` takes, class weights on a PyDataset or a generator, a
 stream of unknown length, epochs that end at a pass's end, a non-finite loss (trained on,
 as Keras does; TerminateOnNaN stops it), batches whose shape changes every step (a
-`padded_batch` of text, a generator), an optional input given None, a dict of mixed
+`padded_batch` of text, a generator), an optional input given None (in arrays, by a
+generator, by a Dataset), a dict of mixed
 dtypes with a string, and what the model was compiled with
 (`steps_per_execution`, `run_eagerly`, `jit_compile`, `loss_weights`)."""
 
@@ -154,6 +155,12 @@ def text_classifier():
     return model
 
 
+def without_the_optional(x, y, size):
+    """A generator of batches whose optional input "o" is given None."""
+    for start in range(0, len(x), size):
+        yield {"x": x[start : start + size], "o": None}, y[start : start + size]
+
+
 def with_a_word():
     """Dict inputs of mixed dtypes: numbers, and a word looked up in a vocabulary."""
     keras.utils.set_random_seed(2)
@@ -296,6 +303,19 @@ def case_data(name):
             dict(x={"x": x, "o": None}, y=y, batch_size=16, epochs=2, shuffle=False,
                  validation_data=({"x": vx, "o": None}, vy)),
         ),
+        "an optional input given None by a generator": (
+            with_an_optional_input,
+            dict(x=without_the_optional(x, y, 16), epochs=1),
+        ),
+        "an optional input given None by a Dataset": (
+            with_an_optional_input,
+            dict(
+                x=tf.data.Dataset.from_tensor_slices((x, y))
+                .map(lambda features, label: ({"x": features, "o": None}, label))
+                .batch(16),
+                epochs=2,
+            ),
+        ),
         "a padded_batch whose length changes every batch": (
             text_classifier,
             dict(x=padded_text(60, 16, 5), epochs=2, validation_data=padded_text(20, 8, 6)),
@@ -356,6 +376,8 @@ CASES = [
     "a non-finite loss is trained on",
     "TerminateOnNaN stops it",
     "an optional input given None",
+    "an optional input given None by a generator",
+    "an optional input given None by a Dataset",
     "a padded_batch whose length changes every batch",
     "a generator whose batches change length",
     "a dict of mixed dtypes with a string",

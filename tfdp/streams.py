@@ -23,6 +23,7 @@ from collections.abc import Callable
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework.none_tensor import NoneTensorSpec
 
 from tfdp import leaves
 from tfdp.errors import ConfigError
@@ -142,11 +143,11 @@ def first_of(sample, count: int):
     the pipeline decides shapes as it reads, their specs (for a symbolic build)."""
     if not shapes_known(sample):
         return tf.nest.map_structure(lambda spec: _with_batch(spec, count), sample)
+    def on_host(leaf):  # a tensor (ragged, sparse), or None (an optional input), as it is
+        return leaf if leaf is None or tf.is_tensor(leaf) else tf.constant(leaf)
+
     with tf.device("/cpu:0"):
-        return tf.nest.map_structure(
-            lambda leaf: leaf if isinstance(leaf, tf.SparseTensor) else tf.constant(leaf),
-            leaves.take(sample, 0, count),
-        )
+        return tf.nest.map_structure(on_host, leaves.take(sample, 0, count))
 
 
 def _packed(batch):
@@ -226,7 +227,7 @@ def dataset_batching(dataset) -> tuple[bool, int | None, bool]:
 
 
 def _batch_size_of(first) -> int:
-    return leaves.length(tf.nest.flatten(first)[0])
+    return leaves.length(leaves.first(first))
 
 
 def _as_leaves(batch):
@@ -237,6 +238,8 @@ def _as_leaves(batch):
 
 def _with_batch(spec, size: int):
     """`spec` with its batch axis `size`."""
+    if isinstance(spec, NoneTensorSpec):  # an optional input given None
+        return spec
     shape = [size, *spec.shape[1:]]
     if isinstance(spec, tf.RaggedTensorSpec):
         return tf.RaggedTensorSpec(shape, spec.dtype, spec.ragged_rank, spec.row_splits_dtype)
@@ -247,6 +250,8 @@ def _with_batch(spec, size: int):
 
 def _empty(spec):
     """An element of `spec` with no examples (a pass's end marker)."""
+    if isinstance(spec, NoneTensorSpec):  # an optional input given None
+        return None
     shape = [0] + [0 if d is None else d for d in spec.shape[1:]]
     if isinstance(spec, tf.SparseTensorSpec):
         return tf.SparseTensor(tf.zeros([0, len(shape)], tf.int64), tf.zeros([0], spec.dtype), shape)
@@ -264,6 +269,8 @@ def _sample(spec, batch_size: int):
     pipeline decides it while reading."""
 
     def sample(leaf):
+        if isinstance(leaf, NoneTensorSpec):  # an optional input given None
+            return None
         if leaf.shape.rank is None or not leaf.shape[1:].is_fully_defined():
             return _with_batch(leaf, batch_size)
         if isinstance(leaf, tf.SparseTensorSpec):  # no entries
@@ -293,7 +300,8 @@ def from_dataset(dataset, batch_size, drop_remainder, field="x", source="tf.data
         dataset = dataset.batch(batch_size or 32, drop_remainder=drop_remainder)
         size, dropped = batch_size or 32, drop_remainder
     if size is None:
-        size = tf.nest.flatten(dataset.element_spec)[0].shape[0]
+        specs = tf.nest.flatten(dataset.element_spec)
+        size = next(s for s in specs if not isinstance(s, NoneTensorSpec)).shape[0]
     if size is None:
         raise ConfigError(
             field,
@@ -343,12 +351,22 @@ def _own_batches(first_batches, batch_size, source: str):
         signature = data_adapter_utils.get_tensor_spec(first_batches)
     except (TypeError, ValueError):  # its first two batches differ in structure or rank
         signature = data_adapter_utils.get_tensor_spec(first_batches[:1])
+    # An optional input given None is None in the batches (Keras' adapter makes it an
+    # empty tf.experimental.Optional, which its step turns back into None).
+    signature = tf.nest.map_structure(
+        lambda spec: NoneTensorSpec() if isinstance(spec, tf.OptionalSpec) else spec, signature
+    )
     return first, size, signature
 
 
 def _described(batch) -> str:
     """A batch's structure, shapes and dtypes, e.g. (float32[32, 8], int64[32])."""
-    shapes = tf.nest.map_structure(lambda leaf: f"{leaf.dtype.name}{list(leaf.shape)}", batch)
+    def described(leaf):
+        if leaf is None or isinstance(leaf, NoneTensorSpec):
+            return "None"
+        return f"{leaf.dtype.name}{list(leaf.shape)}"
+
+    shapes = tf.nest.map_structure(described, batch)
     return str(shapes).replace("'", "").replace("None", "?")
 
 
@@ -363,7 +381,8 @@ def checked(numbered, signature, batch_size: int):
         try:
             tf.nest.assert_same_structure(signature, batch, check_types=False)
             fits = all(
-                spec.shape.is_compatible_with(leaf.shape)
+                (leaf is None) == isinstance(spec, NoneTensorSpec)
+                and (leaf is None or spec.shape.is_compatible_with(leaf.shape))
                 for spec, leaf in zip(tf.nest.flatten(signature), tf.nest.flatten(batch))
             )
         except (TypeError, ValueError):
@@ -373,7 +392,7 @@ def checked(numbered, signature, batch_size: int):
                 f"its batch {index} is {_described(batch)}, where its first batches were "
                 f"{_described(signature)}"
             )
-        lengths = {leaves.length(leaf) for leaf in tf.nest.flatten(batch)}
+        lengths = {leaves.length(leaf) for leaf in tf.nest.flatten(batch) if leaf is not None}
         if len(lengths) > 1 or max(lengths) > batch_size:
             raise ValueError(
                 f"its batch {index} is {_described(batch)}: "
