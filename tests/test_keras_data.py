@@ -8,7 +8,7 @@ validation data in each form `fit` takes, class weights on a PyDataset or a gene
 stream of unknown length, epochs that end at a pass's end, a non-finite loss (trained on,
 as Keras does; TerminateOnNaN stops it), batches whose shape changes every step (a
 `padded_batch` of text, a generator), an optional input given None (in arrays, by a
-generator, by a Dataset), a dict of mixed
+generator, by a Dataset), ragged batches from a generator, a dict of mixed
 dtypes with a string, and what the model was compiled with
 (`steps_per_execution`, `run_eagerly`, `jit_compile`, `loss_weights`)."""
 
@@ -187,6 +187,32 @@ def words(x):
     return np.array([["red", "green", "blue", "pink"][int(k)] for k in kinds])[:, None]
 
 
+def ragged_text_classifier():
+    """Ragged token sequences, each averaged over its own tokens."""
+
+    class MeanOfTokens(keras.layers.Layer):
+        def call(self, embedded):
+            return tf.reduce_mean(embedded, axis=1)  # over each sequence's own tokens
+
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((None,), dtype="int32", ragged=True)
+    pooled = MeanOfTokens()(keras.layers.Embedding(20, 6)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(pooled))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def ragged_batches(n, batch, seed):
+    """A generator of batches of ragged token sequences."""
+    tokens, labels = sentences(n, seed)
+    for start in range(0, n, batch):
+        yield tf.ragged.constant(tokens[start : start + batch]), labels[start : start + batch]
+
+
 def sentences(n, seed):
     """n token sequences of 2 to 8 tokens, and a class of each."""
     rng = np.random.default_rng(seed)
@@ -324,6 +350,10 @@ def case_data(name):
             text_classifier,
             dict(x=padded_batches(60, 16, 5), epochs=1),
         ),
+        "a generator of ragged batches": (
+            ragged_text_classifier,
+            dict(x=ragged_batches(60, 16, 5), epochs=1),
+        ),
         "a dict of mixed dtypes with a string": (
             with_a_word,
             dict(
@@ -380,6 +410,7 @@ CASES = [
     "an optional input given None by a Dataset",
     "a padded_batch whose length changes every batch",
     "a generator whose batches change length",
+    "a generator of ragged batches",
     "a dict of mixed dtypes with a string",
     "steps_per_execution 3",
     "run_eagerly",
