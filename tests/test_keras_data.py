@@ -140,13 +140,19 @@ CLASS_WEIGHT = {0: 2.0, 1: 1.0, 2: 0.5}
 TRAIN = examples(100)
 
 
-def text_classifier():
-    """Token sequences of any length (0 pads), averaged over their tokens."""
+def text_classifier(ragged=False):
+    """Token sequences of any length, averaged over their own tokens: padded (0 pads,
+    masked), or ragged."""
+
+    class MeanOfTokens(keras.layers.Layer):
+        def call(self, embedded):
+            return tf.reduce_mean(embedded, axis=1)  # a ragged mean: each row's own tokens
+
     keras.utils.set_random_seed(2)
-    inputs = keras.Input((None,), dtype="int32")
-    embedded = keras.layers.Embedding(20, 6, mask_zero=True)(inputs)
-    pooled = keras.layers.GlobalAveragePooling1D()(embedded)
-    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(pooled))
+    inputs = keras.Input((None,), dtype="int32", ragged=ragged)
+    embedded = keras.layers.Embedding(20, 6, mask_zero=not ragged)(inputs)
+    pool = MeanOfTokens() if ragged else keras.layers.GlobalAveragePooling1D()
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(pool(embedded)))
     model.compile(
         optimizer=keras.optimizers.SGD(0.5),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -185,25 +191,6 @@ def words(x):
     """A word for each example, one of them not in the vocabulary."""
     kinds = (x[:, 2] > 0) * 2 + (x[:, 3] > 0)
     return np.array([["red", "green", "blue", "pink"][int(k)] for k in kinds])[:, None]
-
-
-def ragged_text_classifier():
-    """Ragged token sequences, each averaged over its own tokens."""
-
-    class MeanOfTokens(keras.layers.Layer):
-        def call(self, embedded):
-            return tf.reduce_mean(embedded, axis=1)  # over each sequence's own tokens
-
-    keras.utils.set_random_seed(2)
-    inputs = keras.Input((None,), dtype="int32", ragged=True)
-    pooled = MeanOfTokens()(keras.layers.Embedding(20, 6)(inputs))
-    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(pooled))
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.5),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
 
 
 def ragged_batches(n, batch, seed):
@@ -351,7 +338,7 @@ def case_data(name):
             dict(x=padded_batches(60, 16, 5), epochs=1),
         ),
         "a generator of ragged batches": (
-            ragged_text_classifier,
+            functools.partial(text_classifier, ragged=True),
             dict(x=ragged_batches(60, 16, 5), epochs=1),
         ),
         "a dict of mixed dtypes with a string": (
