@@ -12,6 +12,7 @@ from tfdp.balance import (
     Rebalancing,
     affine_times,
     beyond_noise,
+    calibrate_slowdown,
     expected_slowest,
     fastest_shares,
     fitted_times,
@@ -459,3 +460,30 @@ def test_a_device_that_changes_speed_is_fitted_to_its_new_speed(noise):
         )
         assert len([s for s in run.resplits if s >= 100]) <= 4
         assert run.shards[-1][1] == pytest.approx(512, rel=0.04)
+
+
+def test_the_simulated_slowdown_is_calibrated_at_the_even_split_with_every_device_at_once():
+    """A device made 4x slower sleeps 3x its seconds per example in a step at the even
+    split, all devices at once (where they share cores), whatever split the run has."""
+
+    class Trainer:
+        devices = ["cpu:0", "cpu:1"]
+        global_batch_size = 200
+        shards = [160, 40]  # the run's given split
+        timed_at, delays = [], None
+
+        def set_shards(self, shards):
+            self.shards = list(shards)
+
+        def seconds_together(self, batch):
+            self.timed_at.append(list(self.shards))
+            return [0.002 * self.shards[0], 0.003 * self.shards[1]]  # cpu:1 is 1.5x slower
+
+        def set_delays(self, delays):
+            self.delays = delays
+
+    trainer = Trainer()
+    delays = calibrate_slowdown(trainer, batch=None, factors=[1.0, 4.0])
+    assert trainer.timed_at == [[100, 100]] * 4  # a first untimed run, then 3
+    assert delays == trainer.delays == pytest.approx([0.0, 3 * 0.003])
+    assert trainer.shards == [160, 40]  # the run's split back

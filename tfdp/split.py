@@ -22,8 +22,9 @@ class DeviceSplit:
 
     def set_up(self, config, train_data, log, measure=True):
         """The simulated slowdown and auto powers, before training (`balance`): the
-        slowdown is calibrated on each device alone; auto powers time each device
-        alone, then all of them at once (`balance.settle_under_load`).
+        slowdown is calibrated in a step at the even split, all devices at once; auto
+        powers time each device alone, then all of them at once
+        (`balance.settle_under_load`).
 
         With `measure` False, auto powers are not measured (a resumed run has its
         split). Returns what was set up, for the result, and the probe under load
@@ -40,7 +41,8 @@ class DeviceSplit:
         names = [short_name(d) for d in trainer.devices]
         if slowdown:
             factors = [slowdown.get(d, 1.0) for d in trainer.devices]
-            delays = balance.calibrate_slowdown(trainer, batch, factors)
+            whole = timing_examples(train_data, trainer.global_batch_size, log)
+            delays = balance.calibrate_slowdown(trainer, whole, factors)
             slowed = [(n, f, d) for n, f, d in zip(names, factors, delays) if f != 1]
             info["simulated_slowdown"] = {
                 name: {"factor": f, "sleep_seconds_per_example": d} for name, f, d in slowed
@@ -48,7 +50,7 @@ class DeviceSplit:
             log(
                 "SIMULATED SLOWDOWN (for testing; not this machine's speed): "
                 + ", ".join(
-                    f"{name} {f:g}x slower alone (sleeps {d * 1e3:.3f} ms per example)"
+                    f"{name} {f:g}x slower at the even split (sleeps {d * 1e3:.3f} ms per example)"
                     for name, f, d in slowed
                 )
             )

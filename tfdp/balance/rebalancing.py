@@ -22,6 +22,7 @@ from tfdp.balance.split import (
     departures,
     imbalance,
     powers_from_seconds,
+    whole_shares,
     window_scatter,
 )
 
@@ -41,14 +42,28 @@ def _examples(batch) -> int:
     return int(tf.nest.flatten(batch)[0].shape[0])
 
 
-def calibrate_slowdown(trainer, batch, factors: Sequence[float]) -> list[float]:
-    """Sets the simulated slowdown: device i alone becomes `factors[i]` times slower.
+def calibrate_slowdown(trainer, batch, factors: Sequence[float], repeats: int = 3) -> list[float]:
+    """Sets the simulated slowdown: device i becomes `factors[i]` times slower in a step,
+    timed with every device at once on its piece of an even split of `batch` (a global
+    batch), as in training, where devices may share cores: a device timed alone would
+    have them all, and be slowed less than `factors[i]` in training.
 
     Returns the seconds of sleep per example each device gets.
     """
+    given = list(trainer.shards)
+    even = whole_shares(trainer.global_batch_size, [1.0] * len(trainer.devices))
+    trainer.set_shards(even)
+    try:
+        trainer.seconds_together(batch)  # tracing and first-run costs are not the speed
+        seconds = [
+            statistics.median(column)
+            for column in zip(*(trainer.seconds_together(batch) for _ in range(repeats)))
+        ]
+    finally:
+        trainer.set_shards(given)
     delays = [
-        0.0 if factor == 1 else (factor - 1) * seconds_alone(trainer, batch, i) / _examples(batch)
-        for i, factor in enumerate(factors)
+        0.0 if factor == 1 else (factor - 1) * second / shard
+        for factor, second, shard in zip(factors, seconds, even)
     ]
     trainer.set_delays(delays)
     return delays

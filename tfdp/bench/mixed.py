@@ -105,7 +105,8 @@ def _build(reduce: str, job: dict):
 
 
 def calibrate(job: dict) -> dict:
-    """The sleep per example that makes each slowed device `factor` times slower alone."""
+    """The sleep per example that makes each slowed device `factor` times slower in a step
+    at the even split (`balance.calibrate_slowdown`)."""
     from tfdp.balance import calibrate_slowdown
     from tfdp.data import first_examples
     from tfdp.devices import parse_slowdown
@@ -113,7 +114,7 @@ def calibrate(job: dict) -> dict:
     _set_up_process(job)
     config, trainer = _build("device0", {**job, "delays": None})
     slowdown = parse_slowdown(config.simulate_slowdown)
-    batch = first_examples(load_arrays(job), config.batch_size // len(trainer.devices))
+    batch = first_examples(load_arrays(job), config.batch_size)
     factors = [slowdown.get(d, 1.0) for d in trainer.devices]
     return {"delays": calibrate_slowdown(trainer, batch, factors)}
 
