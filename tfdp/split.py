@@ -36,12 +36,10 @@ class DeviceSplit:
         measure = measure and config.powers == AUTO
         if not slowdown and not measure:
             return info, None
-        probe = max(1, trainer.global_batch_size // len(trainer.devices))  # an even share
-        batch = timing_examples(train_data, probe, log)
+        whole = timing_examples(train_data, trainer.global_batch_size, log)  # a global batch
         names = [short_name(d) for d in trainer.devices]
         if slowdown:
             factors = [slowdown.get(d, 1.0) for d in trainer.devices]
-            whole = timing_examples(train_data, trainer.global_batch_size, log)
             delays = balance.calibrate_slowdown(trainer, whole, factors)
             slowed = [(n, f, d) for n, f, d in zip(names, factors, delays) if f != 1]
             info["simulated_slowdown"] = {
@@ -56,7 +54,8 @@ class DeviceSplit:
             )
         if not measure:
             return info, None
-        rates = balance.measure_powers(trainer, batch)
+        probe = max(1, trainer.global_batch_size // len(trainer.devices))  # an even share
+        rates = balance.measure_powers(trainer, timing_examples(train_data, probe, log))
         alone = balance.whole_shares(trainer.global_batch_size, rates)
         log(
             f"auto powers, each device alone on {probe} examples: "
@@ -64,8 +63,7 @@ class DeviceSplit:
             + f"; shares {alone}"
         )
         trainer.set_shards(alone)
-        batch = timing_examples(train_data, trainer.global_batch_size, log)
-        settled = balance.settle_under_load(trainer, batch, log)
+        settled = balance.settle_under_load(trainer, whole, log)
         shards = list(trainer.shards)
         steps = balance.PROBE_WINDOW * balance.PROBE_WINDOWS
         log(
