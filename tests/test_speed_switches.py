@@ -91,16 +91,17 @@ def test_every_mode_makes_the_update_of_single(
 
 @pytest.mark.slow
 def test_jit_compile_runs_the_step_as_an_xla_program(singles, images):
-    trainer, _ = singles["jit"]
+    trainer, _ = train_steps("single", CPUS[:1], (), images, jit_compile=True, chains=1)
     assert trainer.jit_compile
     x = images.images[:BATCH].astype(np.float32) / 255.0
-    function = trainer._direct_step  # the model's own train_step, compiled by XLA
+    function = trainer._replicas_train  # the model's own train_step in the strategy, by XLA
     hlo = function.experimental_get_compiler_ir((x, images.labels[:BATCH]))(stage="hlo")
     assert "convolution(" in hlo  # LeNet's convolutions, lowered by XLA
     plain, _ = singles["bfloat16"]
-    assert not plain.jit_compile and not hasattr(plain._direct_step, "experimental_get_compiler_ir")
+    assert not plain.jit_compile
+    assert not hasattr(plain._replicas_train, "experimental_get_compiler_ir")
     # XLA's kernels round differently from oneDNN's: the same math, not the same program
-    float32, _ = train_steps("single", CPUS[:1], (), images)
+    float32, _ = train_steps("single", CPUS[:1], (), images, chains=1)
     differences = [
         np.abs(a - b).max() for a, b in zip(trainer.get_weights(), float32.get_weights())
     ]

@@ -34,10 +34,8 @@ _LAZY = {
     "load_mnist": "tfdp.data",
     "make_toy_data": "tfdp.data",
     "train_dataset": "tfdp.data",
-    "KerasStepTrainer": "tfdp.trainers.keras_step",
     "MirroredStrategy": "tfdp.strategy",
     "MultiWorkerMirroredStrategy": "tfdp.cluster_strategy",
-    "SingleDeviceTrainer": "tfdp.trainers.single",
 }
 
 __all__ = ["Config", "ConfigError", "configure_logical_devices", "split_batch", *_LAZY]

@@ -163,8 +163,8 @@ class Placement:
 
     def enter(self) -> None:
         model = self.model
-        if self.strategy is not None:
-            check_no_raw_variables(model)
+        if self.strategy is not None and self.strategy.num_replicas_in_sync > 1:
+            check_no_raw_variables(model)  # (one replica uses them where they are)
         variables = variables_of(model)
         self.saved = {
             "values": [(v, v._value) for v in variables],  # noqa: SLF001

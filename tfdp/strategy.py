@@ -272,7 +272,10 @@ class UnevenShares:
     @property
     def compiles_with_xla(self) -> bool:
         """Whether a model's `jit_compile=True` is kept: XLA compiles the whole step over the
-        replicas only where every replica is a GPU, as in TensorFlow's MirroredStrategy."""
+        replicas only where there is one, or every replica is a GPU, as in TensorFlow's
+        MirroredStrategy."""
+        if self.num_replicas_in_sync == 1:
+            return True
         return all("GPU" in d.upper() for d in self.extended.worker_devices)
 
     def run(self, fn, args=(), kwargs=None, options=None):
@@ -334,6 +337,8 @@ class UnevenShares:
         scaled (`notes`; also a warning unless a driver reports the notes itself)."""
         name = f"{type(model).__name__}.{fn.__name__}"
         if fn.__name__ != "train_step" or not shards.overrides(model, "train_step"):
+            return
+        if self.num_replicas_in_sync == 1:  # one replica holds the whole batch: nothing to weigh
             return
         if not model.trainable_weights:
             return

@@ -292,8 +292,7 @@ def train(spec: StreamSpec, devices: list[str], data, steps: int, clock, batch_s
 
     import tfdp
     from tfdp.devices import short_name
-    from tfdp.trainers.keras_step import KerasStepTrainer
-    from tfdp.trainers.single import SingleDeviceTrainer
+    from tfdp.trainers.trainer import Trainer
 
     if spec.system == "keras":
         strategy = tf.distribute.MirroredStrategy(devices) if len(devices) > 1 else None
@@ -308,10 +307,8 @@ def train(spec: StreamSpec, devices: list[str], data, steps: int, clock, batch_s
         settings["powers"] = spec.powers
     inputs = (data, None) if spec.source == "stream" else data
     batch = batch_size if spec.source == "arrays" else None
-    trainers = (SingleDeviceTrainer, KerasStepTrainer)
-    original = [trainer.train_step for trainer in trainers]
-    for trainer, step in zip(trainers, original):
-        trainer.train_step = calls.wrap(step)
+    original = Trainer.train_step
+    Trainer.train_step = calls.wrap(original)
     try:
         tfdp.fit(
             make_model(),
@@ -324,8 +321,7 @@ def train(spec: StreamSpec, devices: list[str], data, steps: int, clock, batch_s
             **settings,
         )
     finally:
-        for trainer, step in zip(trainers, original):
-            trainer.train_step = step
+        Trainer.train_step = original
 
 
 def measure(job: dict) -> dict:

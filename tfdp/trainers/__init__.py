@@ -1,10 +1,10 @@
-"""The trainer of each mode, behind one interface (`base.Trainer`).
+"""The trainer of every mode (`trainer.Trainer`), made for the run's mode and devices.
 
-single       SingleDeviceTrainer: the model on one device, no split, no copies
-mirrored     KerasStepTrainer: the model's own step under tfdp.MirroredStrategy, even shares
-weighted     KerasStepTrainer with the run's uneven shares; the gradients summed on
-             device 0 and sent back (--reduce=device0, the tutorial) or all-reduced
-multiworker  MultiWorkerTrainer: the KerasStepTrainer of one worker of TF_CONFIG, under
+single       the model's own step under a tfdp.MirroredStrategy of one replica
+mirrored     ... of even shares over the devices
+weighted     ... of the run's uneven shares; the gradients summed on device 0 and
+             sent back (--reduce=device0, the tutorial) or all-reduced
+multiworker  MultiWorkerTrainer: the Trainer of one worker of TF_CONFIG, under
              tfdp.MultiWorkerMirroredStrategy
 """
 
@@ -14,7 +14,7 @@ import os
 
 from tfdp.config import MODELS
 from tfdp.devices import AUTO, default_chains
-from tfdp.trainers.base import Trainer
+from tfdp.trainers.trainer import Trainer, local_strategy
 
 __all__ = ["Trainer", "build_trainer"]
 
@@ -36,9 +36,6 @@ def build_trainer(
         from tfdp.trainers import multiworker
 
         return multiworker.build(config, shards, model, jit_compile)
-    from tfdp.trainers.keras_step import KerasStepTrainer, local_strategy
-    from tfdp.trainers.single import SingleDeviceTrainer
-
     slowdown = bool(config.simulate_slowdown)
     # The host clock in the step (a device-to-host sync on a GPU) only where it is read.
     timed = config.powers == AUTO or bool(config.rebalance_every) or slowdown
@@ -47,7 +44,7 @@ def build_trainer(
         strategy = local_strategy(
             devices, shards, "allreduce" if even else config.reduce, config.all_reduce
         )
-        return KerasStepTrainer(
+        return Trainer(
             model,
             strategy,
             devices,
@@ -66,7 +63,7 @@ def build_trainer(
         if config.model in MODELS and not models.has_batch_statistics(model)
         else 1
     )
-    return SingleDeviceTrainer(
-        model, devices[0], shards[0], slowdown=slowdown, chains=chains, timed=timed,
-        jit_compile=jit_compile,
+    return Trainer(
+        model, local_strategy(devices, shards), devices, shards, slowdown=slowdown,
+        timed=timed, jit_compile=jit_compile, chains=chains,
     )

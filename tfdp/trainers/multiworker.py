@@ -9,7 +9,7 @@ Per step:
      (so the split can change between steps), then one piece per local
      replica;
   2. each replica runs the model's own step (`strategy.run(model.train_step)`, as
-     in modes mirrored and weighted: `KerasStepTrainer`); the strategy weighs each
+     in every mode: `trainer.Trainer`); the strategy weighs each
      piece's loss by its examples, the optimizer all-reduces the gradients over all
      workers and applies one update on every worker, and the logs are the whole
      cluster's batch's.
@@ -48,10 +48,10 @@ from tfdp.errors import ConfigError
 from tfdp.exchange import Cluster
 from tfdp.split import WorkerSplit
 from tfdp.steps import cut, num_examples, shard_sizes_for
-from tfdp.trainers.keras_step import KerasStepTrainer
+from tfdp.trainers.trainer import Trainer
 
 
-class MultiWorkerTrainer(KerasStepTrainer):
+class MultiWorkerTrainer(Trainer):
     """This worker's part of synchronous training over the whole cluster."""
 
     unit = "worker(s)"
@@ -66,7 +66,7 @@ class MultiWorkerTrainer(KerasStepTrainer):
             trained in place, its variables made again in the strategy's scope.
           shards: examples per worker; they sum to the global batch.
           config: the run's settings; they must be the same on every worker.
-          jit_compile: the model asks for XLA (see `KerasStepTrainer`).
+          jit_compile: the model asks for XLA (see `Trainer`).
         """
         self.workers = list(cluster.workers)
         self.index = cluster.index

@@ -1,0 +1,427 @@
+"""The trainer of every mode: the model's own step under the mode's strategy.
+
+The model's variables are made again in the scope of a `tfdp.MirroredStrategy`
+(`replicas.Placement`) whose replicas take the run's shares of each global batch:
+one replica in mode single, even shares in mirrored, the run's in weighted (in
+multiworker, a `tfdp.MultiWorkerMirroredStrategy`: `multiworker.py`). A step is
+Keras' own: `strategy.run(model.train_step)` on each replica's piece. The strategy
+weighs each piece's loss by its share, sums the gradients (all-reduce, or on device
+0 and back: the tutorial's reduction) in the model's optimizer, combines moving
+statistics by share, and reads the logs as the whole batch gives them; what the
+model's step does with `training=False`, its own trackers or its optimizer is what
+Keras does with it.
+
+Each global batch is cut on the host (the run's split, `shard_sizes_for`), so its
+input position can be saved. The loop (`training.run`) calls only what this class
+declares; it never asks which mode it runs.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfdp import shards as shards_lib
+from tfdp.exchange import LOCAL
+from tfdp.replicas import Placement, kept
+from tfdp.split import DeviceSplit
+from tfdp.steps import DeviceWork, num_examples, shard_sizes_for, split, with_metrics
+from tfdp.strategy import MirroredStrategy
+
+
+def cross_device_ops_for(all_reduce: str, devices):
+    """The cross-device ops for `all_reduce`; None lets MirroredStrategy choose.
+
+    auto is MirroredStrategy's own choice: ring all-reduce with collective ops
+    on CPUs, NCCL on GPUs, reduction to one device for a CPU+GPU mix.
+    """
+    if all_reduce == "reduce_to_one":
+        return tf.distribute.ReductionToOneDevice(reduce_to_device=devices[0])
+    if all_reduce == "nccl":
+        return tf.distribute.NcclAllReduce()
+    return None  # auto
+
+
+def local_strategy(devices, shards, reduce="allreduce", all_reduce="auto") -> MirroredStrategy:
+    """tfdp's strategy over `devices` of this machine, cutting batches by `shards`.
+
+    reduce: "allreduce", or "device0" (the gradients summed on device 0 and sent back).
+    all_reduce: with reduce="allreduce", see `cross_device_ops_for`.
+    """
+    cross_device_ops = None if reduce == "device0" else cross_device_ops_for(all_reduce, devices)
+    # The shares cut a dataset (input "dataset"); a batch smaller than the devices
+    # leaves a replica none, which even shares give too.
+    powers = list(shards) if min(shards) > 0 else None
+    return MirroredStrategy(list(devices), powers=powers, reduce=reduce, cross_device_ops=cross_device_ops)
+
+
+class Trainer:
+    """Synchronous replicas of one Keras model, each running the model's own step on its
+    piece of every global batch.
+
+    What the loop and the split read:
+      devices: what the batch is split over (device names, or worker names); unit: what
+        they are, for the banner.
+      shards: examples of a full global batch on each, in order; global_batch_size.
+      model: the model being trained (the user's own object, its variables placed for the
+        strategy while the trainer is open); optimizer: its optimizer.
+      balanced: the split is the run's own (mode weighted): it may be measured,
+        rebalanced, and saved with a checkpoint.
+      timed: each step reads every device's seconds (`device_seconds`); only when
+        something reads them (auto powers, rebalancing, the simulated slowdown), since on
+        a GPU the clock syncs the device with the host.
+      Split: what splits the batch before training (split.py); exchange: what this
+        process tells the others of its run (exchange.py); is_chief: this process writes
+        the run's files.
+    """
+
+    unit = "device(s)"
+    is_chief = True
+    Split = DeviceSplit
+    exchange = LOCAL
+    marked = False  # each element is (batch, whether its pass has ended) (`Stream.marked`)
+
+    def __init__(
+        self,
+        model,
+        strategy,
+        devices,
+        shards,
+        input="split",
+        balanced=False,
+        slowdown=False,
+        timed=True,
+        jit_compile=False,
+        chains=1,
+    ):
+        """
+        Args:
+          model: a compiled, built Keras model (any kind): it is trained in place, its
+            variables mirrored over the strategy's replicas while the trainer is open.
+          strategy: tfdp's strategy of the mode (`local_strategy`, or a
+            `tfdp.MultiWorkerMirroredStrategy`).
+          devices: what the batch is split over: the devices of one machine, one replica
+            each, or the workers of a cluster.
+          shards: examples of a full global batch on each of `devices`.
+          input: "split": each global batch is cut on the host by `shards`; "dataset": the
+            strategy cuts a dataset of global batches itself (its iterator cannot be saved).
+          balanced: the split is the run's own (mode weighted): it may be measured,
+            rebalanced and saved with a checkpoint.
+          slowdown: build the simulated slowdown in (seconds set by `set_delays`).
+          timed: read each replica's seconds in every step (auto powers, rebalancing).
+          jit_compile: the model asks for XLA; the step is compiled with it where the
+            strategy can (one replica, or GPUs only: one XLA program cannot span CPU devices).
+          chains: with one replica, side-by-side pieces its batch is cut into
+            (`steps.DeviceWork`: a CPU device keeps several cores busy with one-threaded
+            kernels); 1: the model's train_step as it is.
+        """
+        self.devices = list(devices)
+        self.shards = list(shards)
+        self.global_batch_size = sum(shards)
+        self.balanced = balanced
+        self.timed = timed or slowdown
+        self.input = input
+        self.strategy = strategy
+        self.strategy.warn_notes = False  # the run says them (`notes`)
+        if self.timed:
+            replicas = strategy.num_replicas_in_sync
+            self.strategy.report_seconds([0.0] * replicas if slowdown else None)
+        with tf.device("/cpu:0"):  # the batch is cut on the host
+            self.shard_sizes = tf.Variable(self.shards, dtype=tf.int32, trainable=False)
+        self.model = model
+        self.placement = Placement(model, strategy=self.strategy)
+        self.placement.enter()
+        self.optimizer = model.optimizer
+        self.chains = chains
+        if chains > 1 and strategy.num_replicas_in_sync > 1:
+            raise ValueError(f"chains={chains} needs one replica")
+        self.jit_compile = bool(jit_compile and self.strategy.compiles_with_xla)
+        self._notes = []
+        if jit_compile and not self.jit_compile:
+            self._notes.append(
+                "jit_compile: the step runs without XLA: one XLA program cannot span the "
+                f"devices {', '.join(strategy.extended.worker_devices)} and their all-reduce"
+            )
+        # chains: the batch cut into pieces whose gradients are summed and applied once
+        self.work = DeviceWork(model, chains, self.jit_compile, False) if chains > 1 else None
+        # probes time each replica's forward and backward pass without the update
+        self.probe = DeviceWork(model, 1, False, True, may_be_empty=True)
+        self._replicas_train = self._train_replicas
+        if self.jit_compile and not model.run_eagerly and chains == 1:  # one XLA program
+            self._replicas_train = tf.function(self._train_replicas, jit_compile=True, autograph=False)
+        self.compile()
+        self._seconds_alone = tf.function(self._alone, autograph=False)
+        self._seconds_together = tf.function(self._together, autograph=False)
+
+    def describe(self) -> str:
+        """What the banner adds about this mode's reduction."""
+        if not self.balanced:
+            return ""
+        if getattr(self.strategy, "reduce_to", None) == "device0":
+            return "; gradients summed on device0 and sent back"
+        return "; gradients summed by allreduce"
+
+    def notes(self) -> list[str]:
+        """How the model's own train_step is run, where not as Keras runs it (once traced)."""
+        work = [] if self.work is None else self.work.notes
+        return [*self._notes, *work, *self.strategy.notes]
+
+    # --- the data
+
+    @property
+    def host_iterator(self) -> bool:
+        """`distribute` gives a tf.data iterator (its position can be saved)."""
+        return self.input == "split"  # else tf.distribute's, which cannot be saved
+
+    def distribute(self, dataset):
+        """The iterator `train_step` reads, from a dataset of global batches."""
+        if self.input == "split":
+            return iter(dataset)
+        return iter(self.strategy.experimental_distribute_dataset(dataset))
+
+    def distribute_indices(self, indices, gather):
+        """The iterator `train_step` reads, from a dataset of global batches of example
+        indices into arrays, and `gather` (indices -> their batch). A trainer that reads a
+        whole global batch gathers it here; multiworker gathers only its worker's slice."""
+        from tfdp.data import prefetched
+
+        return self.distribute(prefetched(indices.map(gather)))
+
+    # --- the step: Keras' own, on every replica's piece
+
+    def compile(self) -> None:
+        """Makes the compiled step functions, as the model asks: eager with `run_eagerly`,
+        else one tf.function per kind of call (autograph off, as Keras traces a step)."""
+        if self.model.run_eagerly:
+            wrap = _eager
+        else:
+            wrap = lambda f: tf.function(f, autograph=False, reduce_retracing=True)  # noqa: E731
+        self._train_step = wrap(self._one_step)
+        self._train_steps = wrap(self._steps)
+        self._test_step = wrap(self._test)
+
+    def train_step(self, iterator, steps: int = 1) -> dict | None:
+        """Up to `steps` updates on the next global batches, in one compiled call (Keras'
+        `steps_per_execution`), fewer where the data ends. Returns tensors: `logs`, what
+        the model's train_step returned for the last of them (its metrics over the whole
+        batch, running since `model.reset_metrics()`), `device_seconds` of that step
+        (zeros where devices are not timed), and `steps`, how many ran; None when the
+        data had ended before the first."""
+        try:
+            if steps == 1:
+                return self._train_step(iterator)
+            return self._train_steps(iterator, tf.constant(steps))
+        except (tf.errors.OutOfRangeError, StopIteration):  # (StopIteration: run eagerly)
+            return None
+
+    def test_step(self, batch) -> dict:
+        """The model's test_step on an evaluation batch, split over the devices as a
+        training batch is: its logs, the metrics over every batch since
+        `model.reset_metrics()`."""
+        return self._test_step(batch)
+
+    def _step(self, batch):
+        logs = self._replicas_train(self._pieces(batch))
+        return {"logs": logs, "device_seconds": self._seconds()}
+
+    def _seconds(self):
+        """Each device's seconds in the step just run (zeros where not timed)."""
+        if not self.timed:
+            return tf.zeros([len(self.devices)], tf.float64)
+        return self.strategy.last_seconds
+
+    def _train_replicas(self, pieces):
+        step = self.model.train_step if self.work is None else self._chained_step
+        return self._first(self.strategy.run(step, args=(pieces,)))
+
+    def _chained_step(self, batch):
+        """The model's train_step on side-by-side pieces of `batch`, their gradients summed
+        and applied once with the model's optimizer."""
+        with shards_lib.handing_over(self.model):
+            logs, gradients, _, _ = self.work.train_either(batch, num_examples(batch))
+        if gradients:  # (a model without trainable weights has nothing to update)
+            self.optimizer.apply_gradients(zip(gradients, self.work.variables))
+        return with_metrics(self.model, logs)
+
+    def _test(self, batch):
+        logs = self.strategy.run(self.model.test_step, args=(self._pieces(batch),))
+        return self._first(logs)
+
+    def _pieces(self, batch):
+        """A global batch on the host -> one piece per replica, of the run's split."""
+        if self.input != "split":
+            return batch  # the strategy's iterator cut it
+        examples = num_examples(batch)  # the global batch, or an epoch's partial last one
+        sizes = shard_sizes_for(examples, self.global_batch_size, self.shard_sizes)
+        return self._split(batch, sizes)
+
+    def _split(self, batch, sizes):
+        pieces = split(batch, sizes, len(self.devices))
+        return self.strategy.experimental_distribute_values_from_function(
+            lambda context: pieces[context.replica_id_in_sync_group]
+        )
+
+    def _first(self, logs):
+        """The step's logs: every replica holds the whole batch's (the strategy reads them so)."""
+        return tf.nest.map_structure(
+            lambda value: self.strategy.experimental_local_results(value)[0], logs
+        )
+
+    def _one_step(self, iterator):
+        return self._step_on(next(iterator))
+
+    def _step_on(self, element):
+        """One step on an element of the stream: its outputs, with `steps` 1, or 0 for a
+        marker of a pass's end, which is not trained on."""
+        if not self.marked:
+            return {**self._step(element), "steps": tf.constant(1)}
+        batch, ended = element
+        if tf.executing_eagerly():  # run_eagerly: the marker read, nothing to train
+            if bool(ended):
+                return {"steps": tf.constant(0)}
+            return {**self._step(batch), "steps": tf.constant(1)}
+        traced = {}
+
+        def train():
+            traced.update(self._step(batch))
+            return {**traced, "steps": tf.constant(1)}
+
+        def skip():  # traced after `train` (tf.cond traces its true branch first)
+            return {**tf.nest.map_structure(tf.zeros_like, traced), "steps": tf.constant(0)}
+
+        return tf.cond(tf.logical_not(ended), train, skip)
+
+    def _steps(self, iterator, steps):
+        """Up to `steps` steps, as Keras runs `steps_per_execution`: each next batch read
+        only while another step is due, and none read past the data's end (or its pass's
+        end, in a marked stream)."""
+        outputs = self._step_on(next(iterator))
+        if self.model.run_eagerly:
+            done = int(outputs["steps"])
+            while done and done < int(steps):
+                upcoming = iterator.get_next_as_optional()
+                if not upcoming.has_value():
+                    break
+                more = self._step_on(upcoming.get_value())
+                if not int(more["steps"]):
+                    break
+                outputs, done = more, done + 1
+            return {**outputs, "steps": tf.constant(done)}
+
+        def more(done, ended, outputs, upcoming):
+            return tf.logical_and(
+                tf.logical_and(done < steps, tf.logical_not(ended)), upcoming.has_value()
+            )
+
+        def read_on(done, ended, upcoming):
+            """The next element, read only if another step is due."""
+            return tf.cond(
+                tf.logical_and(done < steps, tf.logical_not(ended)),
+                iterator.get_next_as_optional,
+                lambda: upcoming,
+            )
+
+        def step(done, ended, outputs, upcoming):
+            new = self._step_on(upcoming.get_value())
+            ran = new.pop("steps")
+            outputs = tf.nest.map_structure(  # a marker leaves the last step's outputs
+                lambda a, b: tf.where(ran > 0, a, b), new, outputs
+            )
+            done, ended = done + ran, tf.equal(ran, 0)
+            return done, ended, outputs, read_on(done, ended, upcoming)
+
+        first = dict(outputs)
+        done = first.pop("steps")
+        ended = tf.equal(done, 0)
+        nothing = tf.experimental.Optional.empty(iterator.element_spec)
+        start = (done, ended, first, read_on(done, ended, nothing))
+        done, _, outputs, _ = tf.while_loop(more, step, start)
+        return {**outputs, "steps": done}
+
+    # --- weights
+
+    def get_weights(self) -> list:
+        return self.model.get_weights()
+
+    def set_weights(self, weights) -> None:
+        self.model.set_weights(weights)
+
+    def close(self) -> None:
+        """The model's variables back as the model had them, with the trained values."""
+        if self.placement is not None:
+            self.placement.exit()
+            self.placement = None
+
+    # --- the split and its measurement
+
+    def set_shards(self, shards) -> None:
+        """Splits the following batches as `shards` (same global batch)."""
+        if self.input != "split":
+            raise ValueError("shards can only be set with input='split'")
+        if sum(shards) != self.global_batch_size or len(shards) != len(self.devices):
+            raise ValueError(f"shards {shards} do not split {self.global_batch_size} examples")
+        self.shards = list(shards)
+        self.shard_sizes.assign(shards)
+
+    def set_delays(self, delays) -> None:
+        """Simulated slowdown: seconds of sleep per example, per replica."""
+        self.strategy.set_sleep_per_example(delays)
+
+    def seconds_alone(self, batch, index: int) -> float:
+        """Device `index`'s seconds for its forward and backward pass on `batch`, the others
+        idle, without an update (the model's state as it was before)."""
+        with self.untouched():
+            return float(self._seconds_alone(batch, index))
+
+    def seconds_together(self, batch):
+        """Each device's seconds for forward and backward on its shard of the global
+        batch, all devices at once as in a step, without an update."""
+        with self.untouched():
+            return self._seconds_together(batch).numpy()
+
+    def untouched(self):
+        """Inside: what a probe step changes besides the weights (metrics, batch-norm
+        statistics, random seeds) is put back afterwards."""
+        model = self.model
+        return kept([*model.non_trainable_variables, *model.metrics_variables])
+
+    def _delay(self):
+        sleep = self.strategy.sleep_per_example
+        if sleep is None:
+            return None
+        return tf.gather(sleep, tf.distribute.get_replica_context().replica_id_in_sync_group)
+
+    def _together(self, batch):
+        return self._timed(batch, tf.convert_to_tensor(self.shard_sizes))
+
+    def _alone(self, batch, index):
+        # The other replicas get empty pieces: the same program, no work.
+        sizes = [0] * len(self.devices)
+        sizes[index] = num_examples(batch)
+        return self._timed(batch, tf.stack(sizes))[index]
+
+    def _timed(self, batch, sizes):
+        """Each replica's seconds for its train_step on its piece, without the update."""
+        examples = num_examples(batch)
+
+        def seconds(piece):
+            return self.probe.train(piece, examples, self._delay())[3]
+
+        with shards_lib.handing_over(self.model):
+            per_replica = self.strategy.run(seconds, args=(self._split(batch, sizes),))
+        return tf.stack(self.strategy.experimental_local_results(per_replica))
+
+    # --- files
+
+    def checkpointer(self, config):
+        """What saves and restores this trainer in `config.model_dir`."""
+        from tfdp.checkpoints import Checkpointer
+
+        return Checkpointer(config, self)
+
+    def result_info(self) -> dict:
+        """This trainer's own entries in the result."""
+        return {"chains": self.chains, "jit_compile": self.jit_compile}
+
+
+def _eager(function):
+    return function
