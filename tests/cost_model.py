@@ -106,17 +106,19 @@ def simulate(
     return history
 
 
-@dataclasses.dataclass
 class _SimulatedTrainer:
-    """What the balancing needs of a trainer: the global batch, settable shares and
-    device times under load, here from the cost model (`together(shards)`)."""
+    """What the balancing needs of a trainer: its split (tfdp's own object) and device times
+    under load, here from the cost model (`together(shards)`)."""
 
-    global_batch_size: int
-    shards: list[int]
-    together: Callable[[list[int]], list[float]]
+    def __init__(self, global_batch: int, shards: list[int], together: Callable[[list[int]], list[float]]):
+        from tfdp.split import Split
 
-    def set_shards(self, shards) -> None:
-        self.shards = list(shards)
+        self.split = Split([f"device{i}" for i in range(len(shards))], shards)
+        self.together = together
+
+    @property
+    def shards(self) -> list[int]:
+        return self.split.shards
 
     def seconds_together(self, batch) -> list[float]:
-        return self.together(self.shards)
+        return self.together(self.split.shards)

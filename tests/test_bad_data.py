@@ -324,10 +324,10 @@ def test_a_worker_names_the_checkpoint_it_saved_not_what_the_chief_has_written(t
     from tfdp.trainers.multiworker import WorkerCheckpointer
 
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(), loss="mse")
     worker = types.SimpleNamespace(
         model=model,
-        optimizer=keras.optimizers.SGD(),
-        is_chief=False,
+        exchange=types.SimpleNamespace(is_chief=False),
         workers=["worker:0", "worker:1"],
         index=1,
     )

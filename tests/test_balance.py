@@ -20,6 +20,7 @@ from tfdp.balance import (
     powers_from_seconds,
     whole_shares,
 )
+from tfdp.split import Split
 
 BATCH = 1024
 SPEEDS = {"one slow of two": [1, 4], "one fast of four": [1, 1, 1, 8], "even": [3, 3]}
@@ -93,13 +94,12 @@ def test_a_far_off_start_is_corrected_after_one_step():
 
 
 class StubTrainer:
-    global_batch_size = BATCH
-
     def __init__(self):
-        self.shards = [512, 512]
+        self.split = Split(["cpu:0", "cpu:1"], [512, 512])
 
-    def set_shards(self, shards):
-        self.shards = list(shards)
+    @property
+    def shards(self):
+        return self.split.shards
 
 
 def test_windows_grow_from_one_step_to_every():
@@ -467,17 +467,13 @@ def test_the_simulated_slowdown_is_calibrated_at_the_even_split_with_every_devic
     split, all devices at once (where they share cores), whatever split the run has."""
 
     class Trainer:
-        devices = ["cpu:0", "cpu:1"]
-        global_batch_size = 200
-        shards = [160, 40]  # the run's given split
+        split = Split(["cpu:0", "cpu:1"], [160, 40])  # the run's given split
         timed_at, delays = [], None
 
-        def set_shards(self, shards):
-            self.shards = list(shards)
-
         def seconds_together(self, batch):
-            self.timed_at.append(list(self.shards))
-            return [0.002 * self.shards[0], 0.003 * self.shards[1]]  # cpu:1 is 1.5x slower
+            shards = self.split.shards
+            self.timed_at.append(list(shards))
+            return [0.002 * shards[0], 0.003 * shards[1]]  # cpu:1 is 1.5x slower
 
         def set_delays(self, delays):
             self.delays = delays
@@ -486,4 +482,4 @@ def test_the_simulated_slowdown_is_calibrated_at_the_even_split_with_every_devic
     delays = calibrate_slowdown(trainer, batch=None, factors=[1.0, 4.0])
     assert trainer.timed_at == [[100, 100]] * 4  # a first untimed run, then 3
     assert delays == trainer.delays == pytest.approx([0.0, 3 * 0.003])
-    assert trainer.shards == [160, 40]  # the run's split back
+    assert trainer.split.shards == [160, 40]  # the run's split back

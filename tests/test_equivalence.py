@@ -26,7 +26,7 @@ def train_steps(mode, devices, powers, steps, images, **options):
         **options,
     )
     trainer, metrics = helpers.train_steps(config, devices, images, steps)
-    return trainer.get_weights(), metrics
+    return trainer.model.get_weights(), metrics
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +99,10 @@ def test_mirrored_shards_are_what_the_replicas_get(mirrored_input, shards, image
         mirrored_input=mirrored_input,
     )
     trainer = build_trainer(config, CPUS[:3], partition(config, CPUS[:3]))
-    assert trainer.shards == partition(config, CPUS[:3]) == shards
+    assert trainer.split.shards == partition(config, CPUS[:3]) == shards
     batch = next(trainer.distribute(train_dataset(images, BATCH, SEED)))
     if mirrored_input == "split":
-        batch = trainer._split(batch, trainer.shard_sizes)
+        batch = trainer._split(batch, trainer.split.sizes)
     x, _ = batch
     assert [len(t) for t in trainer.strategy.experimental_local_results(x)] == shards
 
@@ -124,22 +124,22 @@ def test_resplits_and_slowdown_keep_the_update(reduce, images, reference):
     trainer.set_delays([0.0, delay])
     iterator = trainer.distribute(train_dataset(images, BATCH, SEED))
     for shards in ([50, 50], [80, 20], [10, 90]):
-        trainer.set_shards(shards)
+        trainer.split.set(shards)
         trainer.model.reset_metrics()
         metrics = trainer.train_step(iterator)
         # cpu:1 slept delay x its shard after its backward pass: a lower bound on its time.
         assert float(metrics["device_seconds"][1]) >= shards[1] * delay
     expected_weights, expected_metrics = reference[3]
-    for got, expected in zip(trainer.get_weights(), expected_weights, strict=True):
+    for got, expected in zip(trainer.model.get_weights(), expected_weights, strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     assert floats(metrics["logs"])["accuracy"] == expected_metrics["accuracy"]
 
 
-def test_set_shards_must_split_the_global_batch():
+def test_a_split_must_split_the_global_batch():
     config = Config(mode="weighted", devices="cpu:0,cpu:1", batch_size=BATCH)
     trainer = build_trainer(config, CPUS[:2], partition(config, CPUS[:2]))
     with pytest.raises(ValueError, match="do not split 100"):
-        trainer.set_shards([50, 49])
+        trainer.split.set([50, 49])
 
 
 def host_callbacks(trainer, images):

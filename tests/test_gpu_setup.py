@@ -94,8 +94,8 @@ def test_master_on_cpu_only_when_a_gpu_takes_part(devices, suggestion):
 
 
 class FakeTrainer:
-    unit = "device(s)"
-    optimizer = types.SimpleNamespace(learning_rate=0.1)
+    split = types.SimpleNamespace(unit="device(s)")
+    model = types.SimpleNamespace(optimizer=types.SimpleNamespace(learning_rate=0.1))
 
     def describe(self):
         return ""

@@ -28,14 +28,14 @@ def test_auto_powers_see_a_device_slowed_4x(reduce, images):
     assert shards == [100, 100]  # auto starts even
     trainer = build_trainer(config, devices, shards)
     lines = []
-    info, probe = trainer.Split(trainer).set_up(config, images, lines.append)
+    info, probe = trainer.Balancer(trainer).set_up(config, images, lines.append)
     slowed = info["simulated_slowdown"]["CPU:1"]
     assert slowed["factor"] == 4 and slowed["sleep_seconds_per_example"] > 0
     assert list(info["simulated_slowdown"]) == ["CPU:1"]
     rates = info["auto_powers"]["images_per_second"]
     # Alone, cpu:1 computes like cpu:0 and then sleeps 3x its calibrated compute time.
     assert rates[0] / rates[1] > 1.5
-    assert trainer.shards[0] > trainer.shards[1] and sum(trainer.shards) == 200
+    assert trainer.split.shards[0] > trainer.split.shards[1] and sum(trainer.split.shards) == 200
     assert lines[0].startswith("SIMULATED SLOWDOWN (for testing")
     assert lines[1].startswith("auto powers, each device alone on 100 examples: CPU:0 ")
     # Then all devices at once on the global batch, which may re-split.
@@ -45,18 +45,18 @@ def test_auto_powers_see_a_device_slowed_4x(reduce, images):
     assert f"shares {auto['shards_alone']}" in lines[-1]
     assert len(lines) == 3 + len(auto["probe_resplits"])
     assert auto["probe_resplits"] == probe.resplits
-    assert auto["powers"] == [s / min(trainer.shards) for s in trainer.shards]
+    assert auto["powers"] == [s / min(trainer.split.shards) for s in trainer.split.shards]
 
 
 def test_no_balancing_options_measure_nothing(images):
     config = Config(mode="weighted", devices="cpu:0,cpu:1", batch_size=200)
     trainer = build_trainer(config, CPUS[:2], [100, 100])
     lines = []
-    assert trainer.Split(trainer).set_up(config, images, lines.append) == (
+    assert trainer.Balancer(trainer).set_up(config, images, lines.append) == (
         {"simulated_slowdown": None, "auto_powers": None},
         None,
     )
-    assert lines == [] and trainer.shards == [100, 100]
+    assert lines == [] and trainer.split.shards == [100, 100]
 
 
 @pytest.mark.mnist

@@ -83,7 +83,7 @@ def test_every_mode_makes_the_update_of_single(
     settings, tolerance = SWITCHES[switch]
     trainer, _ = train_steps(mode, devices, powers, images, **settings, **options)
     single, start = singles[switch]
-    for got, want, first in zip(trainer.get_weights(), single.get_weights(), start, strict=True):
+    for got, want, first in zip(trainer.model.get_weights(), single.model.get_weights(), start, strict=True):
         change = np.abs(want - first).max()
         assert change > 1e-4  # the steps moved every weight tensor
         assert np.abs(got - want).max() <= tolerance * change
@@ -103,7 +103,7 @@ def test_jit_compile_runs_the_step_as_an_xla_program(singles, images):
     # XLA's kernels round differently from oneDNN's: the same math, not the same program
     float32, _ = train_steps("single", CPUS[:1], (), images, chains=1)
     differences = [
-        np.abs(a - b).max() for a, b in zip(trainer.get_weights(), float32.get_weights())
+        np.abs(a - b).max() for a, b in zip(trainer.model.get_weights(), float32.model.get_weights())
     ]
     assert 0 < max(differences) < 1e-2
 
@@ -123,7 +123,7 @@ def test_precision_sets_the_layers_policy_in_every_copy(switch, compute, images)
         assert {layer.compute_dtype for layer in layers} == {compute}
         assert logits.compute_dtype == "float32" and not logits.weights
         assert {v.dtype for v in model.weights} == {"float32"}
-    scaled = isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+    scaled = isinstance(trainer.model.optimizer, keras.optimizers.LossScaleOptimizer)
     assert scaled == (compute == "float16")
     # the policy was the run's only: what is built afterwards is float32
     assert keras.config.dtype_policy().name == "float32"
@@ -133,7 +133,7 @@ def test_precision_sets_the_layers_policy_in_every_copy(switch, compute, images)
 @pytest.mark.slow
 def test_float32_has_no_loss_scaling(singles):
     trainer, _ = singles["jit"]
-    assert not isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert not isinstance(trainer.model.optimizer, keras.optimizers.LossScaleOptimizer)
     assert {layer.compute_dtype for layer in trainer.model.layers} == {"float32"}
 
 

@@ -277,16 +277,16 @@ def checkpointed_config(model_dir, **changes):
 
 
 def fake_trainer(model, balanced=False):
-    """What Checkpointer asks of a trainer."""
+    """What Checkpointer asks of a trainer: its model (compiled), its split, its exchange."""
     import keras
 
+    from tfdp.exchange import LOCAL
+    from tfdp.split import Split
+
+    if getattr(model, "optimizer", None) is None:
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     return types.SimpleNamespace(
-        model=model,
-        optimizer=keras.optimizers.SGD(0.1),
-        balanced=balanced,
-        devices=["/device:CPU:0"],
-        shards=[100],
-        is_chief=True,
+        model=model, split=Split(["/device:CPU:0"], [100], balanced=balanced), exchange=LOCAL
     )
 
 

@@ -111,7 +111,7 @@ def test_single_is_plain_keras(steps, data, reference):
     start = two_input_model().get_weights()
     moved = [np.abs(w - w0).max() for w, w0 in zip(model.get_weights(), start)]
     assert min(moved) > 1e-4  # every variable moved: the comparison is not vacuous
-    for got, expected in zip(trainer.get_weights(), model.get_weights(), strict=True):
+    for got, expected in zip(trainer.model.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     # train_on_batch reports the loss before its update: the same batch, the same loss
     assert metrics["loss"] == pytest.approx(float(logs["loss"]), rel=1e-5)
@@ -122,7 +122,7 @@ def test_single_is_plain_keras(steps, data, reference):
 def test_every_mode_makes_the_single_update(mode, devices, powers, options, steps, data, reference):
     trainer, metrics = train_steps(mode, devices, powers, steps, data, **options)
     expected_trainer, expected = reference[steps]
-    for got, want in zip(trainer.get_weights(), expected_trainer.get_weights(), strict=True):
+    for got, want in zip(trainer.model.get_weights(), expected_trainer.model.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert metrics["loss"] == pytest.approx(expected["loss"], rel=1e-5)
     assert metrics["accuracy"] == expected["accuracy"]
@@ -135,7 +135,7 @@ def test_clipping_acts_on_the_summed_gradient(data):
     free, _ = train_steps("weighted", CPUS[:2], (1, 5), 1, data, make=unclipped)
     # Adam's first step moves each weight by about lr x sign: clipping shows in the moments
     assert not np.allclose(
-        trainer.optimizer.variables[2].numpy(), free.optimizer.variables[2].numpy()
+        trainer.model.optimizer.variables[2].numpy(), free.model.optimizer.variables[2].numpy()
     )
 
 
@@ -154,7 +154,7 @@ def test_synchronized_batch_norm_is_exact_in_mirrored(data):
     ):
         mode = options.pop("mode")
         trainer, _ = train_steps(mode, devices, powers, 2, data, make=make, **options)
-        for got, want in zip(trainer.get_weights(), single.get_weights(), strict=True):
+        for got, want in zip(trainer.model.get_weights(), single.model.get_weights(), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -166,7 +166,7 @@ def test_weighted_batch_norm_keeps_the_whole_batch_moving_mean(data):
     weighted, _ = train_steps("weighted", CPUS[:2], (1, 3), 1, data, make=make)
     names = [w.path for w in single.model.weights]
     moving_mean = next(i for i, name in enumerate(names) if name.endswith("moving_mean"))
-    got, want = weighted.get_weights()[moving_mean], single.get_weights()[moving_mean]
+    got, want = weighted.model.get_weights()[moving_mean], single.model.get_weights()[moving_mean]
     assert np.abs(want).max() > 1e-3  # it moved
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
@@ -406,11 +406,11 @@ def test_mixed_precision_makes_the_same_update_in_every_mode(policy, tolerance, 
     model, _ = keras_reference(3, data, make=make)
     start = make().get_weights()
     assert min(np.abs(w - w0).max() for w, w0 in zip(model.get_weights(), start)) > 1e-3
-    for got, want in zip(single.get_weights(), model.get_weights(), strict=True):
+    for got, want in zip(single.model.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
     for mode, devices, powers in (("mirrored", CPUS[:2], ()), ("weighted", CPUS[:2], (1, 3))):
         trainer, _ = train_steps(mode, devices, powers, 3, data, make=make)
-        for got, want in zip(trainer.get_weights(), single.get_weights(), strict=True):
+        for got, want in zip(trainer.model.get_weights(), single.model.get_weights(), strict=True):
             np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
 
 
@@ -436,7 +436,7 @@ def test_an_epochs_partial_last_batch_is_trained_on_exactly(mode, devices, power
     for _ in range(5):
         bx, by, bw = next(batches)
         logs = model.train_on_batch(bx, by, sample_weight=bw, return_dict=True)
-    for got, want in zip(trainer.get_weights(), model.get_weights(), strict=True):
+    for got, want in zip(trainer.model.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert metrics["loss"] == pytest.approx(float(logs["loss"]), rel=1e-5)
 

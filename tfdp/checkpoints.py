@@ -96,7 +96,7 @@ class Checkpointer:
         self.config = config
         self.trainer = trainer
         self.directory = os.path.join(config.model_dir, "checkpoints")
-        self.index = CheckpointIndex(self.directory, trainer.is_chief)
+        self.index = CheckpointIndex(self.directory, trainer.exchange.is_chief)
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False)
         self.state = run_state()  # what the run's hooks keep over a restart
         self.checkpoint = self._checkpoint(run=self.state)
@@ -112,7 +112,7 @@ class Checkpointer:
 
         trainer = self.trainer
         return tf.train.Checkpoint(
-            model=trainer.model, optimizer=trainer.optimizer, step=self.step, **more
+            model=trainer.model, optimizer=trainer.model.optimizer, step=self.step, **more
         )
 
     @functools.cached_property
@@ -265,8 +265,8 @@ class Checkpointer:
                     remove(os.path.join(self.directory, name))
             self.__dict__.pop("manager", None)  # its list holds the failed save
             raise StorageError(self.path(step), reason(error)) from None
-        if self.trainer.balanced:  # the split is not a variable of the step's math
-            shares = {"step": step, "devices": self.trainer.devices, "shards": self.trainer.shards}
+        shares = self.trainer.split.saved(step)  # (not a variable of the step's math)
+        if shares is not None:
             write_atomically(self.shares_file, json.dumps(shares) + "\n")
         self.saved_path = self.path(step)
         return path

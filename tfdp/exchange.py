@@ -16,7 +16,9 @@ from tfdp.signals import SIGNALS
 
 
 class Local:
-    """One process: every answer is this process's own."""
+    """One process: every answer is this process's own; it writes the run's files."""
+
+    is_chief = True
 
     def gather(self, value: float) -> list[float]:
         return [value]
@@ -47,10 +49,12 @@ class Cluster:
     of its own.
     """
 
-    def __init__(self, strategy, workers: list[str], index: int):
+    def __init__(self, strategy, workers: list[str], index: int, is_chief: bool):
+        """is_chief: this worker writes the run's files (task `chief`, else `worker:0`)."""
         import tensorflow as tf
 
         self.tf = tf
+        self.is_chief = is_chief
         self.strategy = strategy
         self.workers = list(workers)
         self.index = index

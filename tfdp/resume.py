@@ -44,16 +44,10 @@ def resumed_shares(config: Config, trainer, checkpointer) -> dict | None:
 
     Any split makes the same update; this only spares the run measuring again.
     """
-    if not trainer.balanced or not (config.powers == AUTO or config.rebalance_every):
+    if not trainer.split.balanced or not (config.powers == AUTO or config.rebalance_every):
         return None
     saved = checkpointer.saved_shares()
-    if (
-        saved is None
-        or saved["devices"] != list(trainer.devices)
-        or sum(saved["shards"]) != trainer.global_batch_size
-    ):
-        return None
-    return saved
+    return saved if saved is not None and trainer.split.takes(saved) else None
 
 
 def restore(checkpointer, trainer, log) -> int:
@@ -69,12 +63,12 @@ def restore(checkpointer, trainer, log) -> int:
     if checkpointer is None:
         return 0
     checkpointer.log = log
-    given = None if schedule_of(trainer.optimizer) else learning_rate(trainer.optimizer)
+    given = None if schedule_of(trainer.model.optimizer) else learning_rate(trainer.model.optimizer)
     checkpointer.state.providers["given_learning_rate"] = lambda: given
     step = checkpointer.restore(log)
     saved = checkpointer.state.restored.get("given_learning_rate")
     if given is not None and saved != given:
-        trainer.optimizer.learning_rate = given
+        trainer.model.optimizer.learning_rate = given
     return step
 
 

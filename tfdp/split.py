@@ -1,21 +1,82 @@
-"""How each global batch is split before training: a simulated slowdown calibrated,
-`--powers=auto` measured, and the rebalancing that carries on from there.
+"""How each global batch is split: the split itself (`Split`), and what measures and sets
+it before and during training.
 
-`DeviceSplit` splits over one process's devices; `WorkerSplit` over the
-workers of a cluster, who agree on the training data first. A trainer names
-its kind (`Trainer.Split`); the split sets the trainer's shards.
+`Split` is one object: the shares the step cuts by, what balancing sets, and what a
+checkpoint saves. `DeviceBalancer` measures and sets it over one process's devices (a
+simulated slowdown calibrated, `--powers=auto` measured, the rebalancing that carries
+on from there); `WorkerBalancer` over the workers of a cluster, who agree on the
+training data first. A trainer names its kind (`Trainer.Balancer`).
 """
 
 from __future__ import annotations
 
 from tfdp import balance
-from tfdp import data as data_lib
 from tfdp.cluster import Agreed, arrays_digest
 from tfdp.devices import AUTO, parse_slowdown, short_name
 
 
-class DeviceSplit:
-    """The split over the devices of one process (modes single, mirrored, weighted)."""
+class Split:
+    """The split of every global batch over `devices`.
+
+    Attributes:
+      devices: what the batch is split over (device names, or worker names).
+      shards: examples of a full global batch on each, in order.
+      global_batch_size: their sum.
+      sizes: `shards` in a tf.Variable on the host, which the step reads: a re-split is
+        one assign, with no new tracing.
+      balanced: the split is the run's own (mode weighted, a measured cluster split): it
+        may be measured and rebalanced, and a checkpoint saves it (`saved`).
+      fixed: a strategy cuts the batches itself (mirrored's `input="dataset"`): the
+        split cannot be set.
+      unit: what the devices are ("device(s)", "worker(s)"), for the banner.
+    """
+
+    def __init__(self, devices, shards, balanced=False, fixed=False, unit="device(s)"):
+        self.devices = list(devices)
+        self.shards = list(shards)
+        self.global_batch_size = sum(shards)
+        self.balanced = balanced
+        self.fixed = fixed
+        self.unit = unit
+        self._sizes = None
+
+    @property
+    def sizes(self):
+        """The variable the step cuts by (made on first use: the balancing's arithmetic
+        runs without TensorFlow)."""
+        if self._sizes is None:
+            import tensorflow as tf
+
+            with tf.init_scope(), tf.device("/cpu:0"):  # the batch is cut on the host
+                self._sizes = tf.Variable(self.shards, dtype=tf.int32, trainable=False)
+        return self._sizes
+
+    def set(self, shards) -> None:
+        """Splits the following batches as `shards` (the same global batch)."""
+        if self.fixed:
+            raise ValueError("the split cannot be set: the strategy cuts the batches itself")
+        if sum(shards) != self.global_batch_size or len(shards) != len(self.devices):
+            raise ValueError(f"shards {shards} do not split {self.global_batch_size} examples")
+        self.shards = list(shards)
+        if self._sizes is not None:
+            self._sizes.assign(shards)
+
+    def saved(self, step: int) -> dict | None:
+        """What a checkpoint of `step` saves of the split: the run's own split, None for
+        one fixed by the mode (any split makes the same update)."""
+        if not self.balanced:
+            return None
+        return {"step": step, "devices": self.devices, "shards": self.shards}
+
+    def takes(self, saved: dict) -> bool:
+        """Whether a split a checkpoint saved (`saved`) applies here: the same devices and
+        global batch."""
+        return saved["devices"] == self.devices and sum(saved["shards"]) == self.global_batch_size
+
+
+class DeviceBalancer:
+    """Measures and sets the split over the devices of one process (modes single,
+    mirrored, weighted), through the trainer's probes and its `split`."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -36,10 +97,10 @@ class DeviceSplit:
         measure = measure and config.powers == AUTO
         if not slowdown and not measure:
             return info, None
-        whole = timing_examples(train_data, trainer.global_batch_size, log)  # a global batch
-        names = [short_name(d) for d in trainer.devices]
+        whole = timing_examples(train_data, trainer.split.global_batch_size, log)  # a global batch
+        names = [short_name(d) for d in trainer.split.devices]
         if slowdown:
-            factors = [slowdown.get(d, 1.0) for d in trainer.devices]
+            factors = [slowdown.get(d, 1.0) for d in trainer.split.devices]
             delays = balance.calibrate_slowdown(trainer, whole, factors)
             slowed = [(n, f, d) for n, f, d in zip(names, factors, delays) if f != 1]
             info["simulated_slowdown"] = {
@@ -54,20 +115,20 @@ class DeviceSplit:
             )
         if not measure:
             return info, None
-        probe = max(1, trainer.global_batch_size // len(trainer.devices))  # an even share
+        probe = max(1, trainer.split.global_batch_size // len(trainer.split.devices))  # an even share
         rates = balance.measure_powers(trainer, timing_examples(train_data, probe, log))
-        alone = balance.whole_shares(trainer.global_batch_size, rates)
+        alone = balance.whole_shares(trainer.split.global_batch_size, rates)
         log(
             f"auto powers, each device alone on {probe} examples: "
             + ", ".join(f"{name} {r:.0f} images/s" for name, r in zip(names, rates))
             + f"; shares {alone}"
         )
-        trainer.set_shards(alone)
+        trainer.split.set(alone)
         settled = balance.settle_under_load(trainer, whole, log)
-        shards = list(trainer.shards)
+        shards = list(trainer.split.shards)
         steps = balance.PROBE_WINDOW * balance.PROBE_WINDOWS
         log(
-            f"auto powers, all devices at once on {trainer.global_batch_size} examples for "
+            f"auto powers, all devices at once on {trainer.split.global_batch_size} examples for "
             f"{steps} probe steps: shares {alone}"
             + (f" -> {shards}" if shards != alone else " kept")
         )
@@ -93,8 +154,8 @@ class DeviceSplit:
         return rebalancing
 
 
-class WorkerSplit(DeviceSplit):
-    """The split over the workers of a cluster (mode multiworker)."""
+class WorkerBalancer(DeviceBalancer):
+    """Measures and sets the split over the workers of a cluster (mode multiworker)."""
 
     def set_up(self, config, train_data, log, measure=True):
         """The workers agree on the training data (the first place the trainer sees it);
@@ -108,7 +169,7 @@ class WorkerSplit(DeviceSplit):
         if not factors and not measure:
             return info, None
         probe = timing_examples(
-            train_data, max(1, trainer.global_batch_size // len(trainer.workers)), log
+            train_data, max(1, trainer.split.global_batch_size // len(trainer.workers)), log
         )
         if factors:
             slowed = trainer.calibrate_slowdown(probe, factors)
@@ -135,6 +196,8 @@ class WorkerSplit(DeviceSplit):
 def timing_examples(train_data, count: int, log):
     """`count` examples of the training data to time the devices on (said in a line where
     that reads a pipeline ahead: `Stream.examples_to_time`)."""
+    from tfdp import data as data_lib
+
     if not data_lib.is_stream(train_data):
         return data_lib.first_examples(train_data, count)
     return train_data.examples_to_time(count, log)
@@ -143,6 +206,8 @@ def timing_examples(train_data, count: int, log):
 def training_data(config, data) -> Agreed:
     """The training data, for `agree`, named by the setting that chose it."""
     import tensorflow as tf
+
+    from tfdp import data as data_lib
 
     field, value = "dataset", config.dataset
     if config.dataset == "mnist" and (config.mnist_dir or config.data_dir):

@@ -61,7 +61,7 @@ def input_failure(plan: Plan, run, error, checkpointer) -> str:
     line = bad_data.failure_line(
         f"the training data ({data.source})", error, run.step, data.dataset, latest
     )
-    if checkpointer is not None and run.trainer.is_chief:
+    if checkpointer is not None and run.trainer.exchange.is_chief:
         bad_data.note_failure(plan.config.model_dir, run.step, line)
     return line
 
@@ -122,7 +122,7 @@ def run(
 def run_trainer(plan: Plan, trainer, log, callbacks, verbose, validation) -> dict:
     """`run` with the trainer made."""
     config = plan.config
-    locked = config.model_dir and trainer.is_chief  # only the chief writes model_dir
+    locked = config.model_dir and trainer.exchange.is_chief  # only the chief writes model_dir
     lock = ModelDirLock(config.model_dir) if locked else contextlib.nullcontext()
     with lock, StopSignals() as signals:
         checkpointer = trainer.checkpointer(config) if config.model_dir else None
@@ -147,19 +147,19 @@ def run_trainer(plan: Plan, trainer, log, callbacks, verbose, validation) -> dic
         )
         state = Run(plan, trainer, None, log, start_step, cursor, progress=progress)
         keep_position(checkpointer, state)
-        split = trainer.Split(trainer)
+        split = trainer.Balancer(trainer)
         split_info, probe = set_up_split(state, split, checkpointer)
         # after the split is set
         state.iterator, state.input_note = input_at(plan, trainer, checkpointer, cursor)
         state.seek_input = lambda cursor: input_at(plan, trainer, None, cursor)[0]
-        summaries = Summaries(config.model_dir) if config.model_dir and trainer.is_chief else None
+        summaries = Summaries(config.model_dir) if config.model_dir and trainer.exchange.is_chief else None
         guard = FiniteGuard(checkpointer) if config.finite_guard else None
         checkpoints = Checkpoints(checkpointer, guard) if checkpointer else None
         rebalancing = split.rebalancing(config.rebalance_every, state.say, probe)
         keras_callbacks = None
         if callbacks is not None:
             keras_callbacks = KerasCallbacks(
-                callbacks, verbose, plan.final_epoch, validation, chief=trainer.is_chief
+                callbacks, verbose, plan.final_epoch, validation, chief=trainer.exchange.is_chief
             )
             if checkpointer:
                 keras_callbacks.saved_state = checkpointer.state.restored.get("keras")
@@ -192,7 +192,7 @@ def run_trainer(plan: Plan, trainer, log, callbacks, verbose, validation) -> dic
             finalize(trainer.model)
         result = result_of(state, split_info)
         trainer.close()  # the model's own variables, with the trained values, before writing it
-        if config.model_dir and trainer.is_chief:
+        if config.model_dir and trainer.exchange.is_chief:
             write_run_files(config.model_dir, trainer.model, result)
         trainer.exchange.finish()  # multiworker: the workers leave together, after the chief's writes
     result.model = trainer.model
@@ -212,14 +212,14 @@ def input_at(plan: Plan, trainer, checkpointer, cursor):
 
 def set_up_split(state: Run, split, checkpointer) -> tuple[dict, object]:
     """The split the run starts from: the one saved with the checkpoint it resumes from
-    (when measured), else measured or calibrated (`split.DeviceSplit.set_up`). Returns what
+    (when measured), else measured or calibrated (`split.DeviceBalancer.set_up`). Returns what
     was set up, for the result, and the probe rebalancing carries on from."""
     config, trainer = state.plan.config, state.trainer
     resumed = resumed_shares(config, trainer, checkpointer) if state.start_step else None
     split_info, probe = split.set_up(config, state.plan.train_data, state.say, resumed is None)
     split_info["resumed_shares"] = resumed
     if resumed:
-        trainer.set_shards(resumed["shards"])
+        trainer.split.set(resumed["shards"])
         state.say(
             f"shares {resumed['shards']}: the split at iteration {resumed['step']}, "
             f"from {checkpointer.shares_file}"
@@ -238,7 +238,7 @@ def result_of(state: Run, split_info: dict) -> FitResult:
     final = evals[-1] if evals else {}
     if "val_logs" in state.result:  # Keras' validation, at the last epoch that ran one
         final = {f"test_{k}": v for k, v in state.result["val_logs"].items()}
-    optimizer = trainer.optimizer
+    optimizer = trainer.model.optimizer
     return FitResult(
         {
             "mode": config.mode,
@@ -246,7 +246,7 @@ def result_of(state: Run, split_info: dict) -> FitResult:
             "dataset": config.dataset,
             "devices": [short_name(d) for d in plan.devices],
             "shards": state.result["shards"],
-            "final_shards": list(trainer.shards),
+            "final_shards": list(trainer.split.shards),
             "powers": config.powers if config.powers == AUTO else list(config.powers) or None,
             "reduce": config.reduce if config.mode == "weighted" else None,
             **split_info,

@@ -1,7 +1,7 @@
 """What measures the devices and re-splits the batch during a run.
 
-The trainer is used through its methods (`seconds_alone`, `seconds_together`,
-`set_shards`, `set_delays`); the arithmetic is split.py's.
+The trainer is used through its probes (`seconds_alone`, `seconds_together`,
+`set_delays`) and its split (`trainer.split.set`); the arithmetic is split.py's.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ def calibrate_slowdown(trainer, batch, factors: Sequence[float], repeats: int = 
 
     Returns the seconds of sleep per example each device gets.
     """
-    given = list(trainer.shards)
-    even = whole_shares(trainer.global_batch_size, [1.0] * len(trainer.devices))
-    trainer.set_shards(even)
+    given = list(trainer.split.shards)
+    even = whole_shares(trainer.split.global_batch_size, [1.0] * len(trainer.split.devices))
+    trainer.split.set(even)
     try:
         trainer.seconds_together(batch)  # tracing and first-run costs are not the speed
         seconds = [
@@ -60,7 +60,7 @@ def calibrate_slowdown(trainer, batch, factors: Sequence[float], repeats: int = 
             for column in zip(*(trainer.seconds_together(batch) for _ in range(repeats)))
         ]
     finally:
-        trainer.set_shards(given)
+        trainer.split.set(given)
     delays = [
         0.0 if factor == 1 else (factor - 1) * second / shard
         for factor, second, shard in zip(factors, seconds, even)
@@ -72,7 +72,7 @@ def calibrate_slowdown(trainer, batch, factors: Sequence[float], repeats: int = 
 def measure_powers(trainer, batch) -> list[float]:
     """Auto powers: each device's examples per second on `batch`, alone."""
     return powers_from_seconds(
-        _examples(batch), [seconds_alone(trainer, batch, i) for i in range(len(trainer.devices))]
+        _examples(batch), [seconds_alone(trainer, batch, i) for i in range(len(trainer.split.devices))]
     )
 
 
@@ -138,7 +138,7 @@ class Rebalancing:
         self.every = every
         self.log = log
         self.unit = unit  # what the log calls a step
-        self.rebalancer = Rebalancer(trainer.global_batch_size)
+        self.rebalancer = Rebalancer(trainer.split.global_batch_size)
         self.window = []
         self.window_length = min(first_window, every)  # steps in the current window
         self.split_steps = []  # device times of the current split's latest steps
@@ -187,7 +187,7 @@ class Rebalancing:
 
         seconds = [statistics.median(column) for column in zip(*self.split_steps)]
         variances = self.log_variances()
-        old = list(self.trainer.shards)
+        old = list(self.trainer.split.shards)
         rates, overheads = self.rebalancer.times(
             old, seconds, variances, self.earlier_splits, len(self.split_steps)
         )
@@ -203,7 +203,7 @@ class Rebalancing:
         if new == old or not significant:
             self.last_move = None  # the split held: a later move starts afresh
             return
-        self.trainer.set_shards(new)
+        self.trainer.split.set(new)
         self.last_move = [_sign(n - o) for o, n in zip(old, new)]
         earlier = (old, seconds, len(self.split_steps))
         self.earlier_splits = [*self.earlier_splits, earlier][-(FIT_SPLITS - 1) :]

@@ -115,7 +115,7 @@ def calibrate(job: dict) -> dict:
     config, trainer = _build("device0", {**job, "delays": None})
     slowdown = parse_slowdown(config.simulate_slowdown)
     batch = first_examples(load_arrays(job), config.batch_size)
-    factors = [slowdown.get(d, 1.0) for d in trainer.devices]
+    factors = [slowdown.get(d, 1.0) for d in trainer.split.devices]
     return {"delays": calibrate_slowdown(trainer, batch, factors)}
 
 
@@ -156,11 +156,11 @@ def measure(spec: MixedSpec, config, trainer, arrays, job: dict) -> dict:
     probe_seconds, powers, alone_shards = 0.0, None, None
     if spec.powers == "auto":
         start = time.perf_counter()
-        powers = measure_powers(trainer, first_examples(arrays, batch // len(trainer.devices)))
+        powers = measure_powers(trainer, first_examples(arrays, batch // len(trainer.split.devices)))
         alone_shards = whole_shares(batch, powers)
-        trainer.set_shards(alone_shards)
+        trainer.split.set(alone_shards)
         probe = settle_under_load(trainer, first_examples(arrays, batch), log=lambda line: None)
-        start_shards = list(trainer.shards)
+        start_shards = list(trainer.split.shards)
         probe_seconds = time.perf_counter() - start
     else:
         start_shards = split_batch(batch, spec.powers)
@@ -179,10 +179,10 @@ def measure(spec: MixedSpec, config, trainer, arrays, job: dict) -> dict:
         float(metrics["logs"]["loss"])  # wait for the last step
         return middle
 
-    trainer.set_shards(start_shards)
+    trainer.split.set(start_shards)
     run(job["warmup"])  # also warms the kernels for these shard shapes
-    trainer.set_weights(initial_weights(config.model, config.init, config.seed))
-    trainer.set_shards(start_shards)
+    trainer.model.set_weights(initial_weights(config.model, config.init, config.seed))
+    trainer.split.set(start_shards)
     rebalancing = Rebalancing(trainer, spec.rebalance_every, log=lambda line: None)
     if spec.powers == "auto":
         rebalancing.carry_over(probe)
@@ -198,7 +198,7 @@ def measure(spec: MixedSpec, config, trainer, arrays, job: dict) -> dict:
         "images_per_second": job["iterations"] * batch / seconds,
         "images_per_second_second_half": second_half * batch / (end - middle),
         "start_shards": start_shards,
-        "final_shards": list(trainer.shards),
+        "final_shards": list(trainer.split.shards),
         "resplits": len(rebalancing.resplits),
         "auto_powers": powers,
         "auto_shards_alone": alone_shards,

@@ -236,11 +236,11 @@ def measure_tfdp(spec: Spec, job: dict) -> dict:
     probe_seconds = 0.0
     if spec.powers == AUTO:  # each device alone, then all at once, as `tfdp` does first
         start = time.perf_counter()
-        trainer.Split(trainer).set_up(config, arrays, log=lambda line: None)
+        trainer.Balancer(trainer).set_up(config, arrays, log=lambda line: None)
         probe_seconds = time.perf_counter() - start
     return {
         **time_tutorial_run(trainer, config, arrays, job),
-        "chains": trainer.chains,
+        "chains": trainer.result_info()["chains"],
         "device_list": [short_name(d) for d in devices],
         "probe_seconds": probe_seconds,
     }
@@ -272,7 +272,7 @@ def measure_multiworker(spec: Spec, job: dict) -> dict:
     """This worker's timing of the cluster's run; TF_CONFIG names the cluster.
 
     A slowdown or rebalancing is set up as `training.run` sets it up (the
-    trainer's split (`split.DeviceSplit`)), and the bench drives the
+    trainer's `Balancer`), and the bench drives the
     rebalancing per step as its loop does."""
     from tfdp import Config
     from tfdp.cluster import read_cluster
@@ -298,7 +298,7 @@ def measure_multiworker(spec: Spec, job: dict) -> dict:
     arrays = load_arrays(job["synthetic"], job["mnist_dir"])
     trainer = build_trainer(config, workers, shards, user_model(job, arrays))
     start = time.perf_counter()
-    split = trainer.Split(trainer)
+    split = trainer.Balancer(trainer)
     info, probe = split.set_up(config, arrays, log=lambda line: None)
     probe_seconds = time.perf_counter() - start
     rebalancing = split.rebalancing(config.rebalance_every, lambda line: None, probe)
@@ -324,8 +324,8 @@ def time_tutorial_run(trainer, config, arrays, job: dict, rebalancing=None) -> d
     from tfdp.data import train_dataset
     from tfdp.hooks.report import floats
 
-    shards = list(trainer.shards)
-    initial = trainer.get_weights()
+    shards = list(trainer.split.shards)
+    initial = trainer.model.get_weights()
     observed = 0  # steps handed to the rebalancing, counted as the loop counts iterations
 
     def tutorial_run(iterations):
@@ -348,8 +348,8 @@ def time_tutorial_run(trainer, config, arrays, job: dict, rebalancing=None) -> d
     start = time.perf_counter()
     tutorial_run(job["warmup"] + settle)
     warmup_seconds = time.perf_counter() - start
-    trainer.set_weights(initial)
-    timed_shards = list(trainer.shards)
+    trainer.model.set_weights(initial)
+    timed_shards = list(trainer.split.shards)
     resplits_before = len(rebalancing.resplits) if rebalancing else 0
     accounting = CpuAccounting()
     start = time.perf_counter()
@@ -361,7 +361,7 @@ def time_tutorial_run(trainer, config, arrays, job: dict, rebalancing=None) -> d
         **steps_only(steps_done - start, job),
         "shards": shards,
         "timed_shards": timed_shards,
-        "final_shards": list(trainer.shards),
+        "final_shards": list(trainer.split.shards),
         "warmup_iterations": job["warmup"] + settle,
         "warmup_seconds": warmup_seconds,
         "resplits_before_timing": resplits_before,

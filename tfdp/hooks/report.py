@@ -62,10 +62,10 @@ def banner(plan, trainer, start_step: int, shards: list[int], input_note=None) -
     text = (
         f"global batch {config.batch_size}"
         + (f" ({plan.batch_from})" if plan.batch_from else "")
-        + f" = {split} over {n} {trainer.unit}, mode {config.mode}; "
-        f"{data}; {steps} {rate_words(trainer.optimizer)}"
+        + f" = {split} over {n} {trainer.split.unit}, mode {config.mode}; "
+        f"{data}; {steps} {rate_words(trainer.model.optimizer)}"
     )
-    schedule = schedule_of(trainer.optimizer)
+    schedule = schedule_of(trainer.model.optimizer)
     if schedule is not None:  # its value at the first step
         text += f" ({type(schedule).__name__} at iteration {start_step})"
     text += trainer.describe()
@@ -120,7 +120,7 @@ class TutorialLog(Hook):
         self.running = running
 
     def on_train_begin(self, run):
-        shards = list(run.trainer.shards)
+        shards = list(run.trainer.split.shards)
         pairs = [(short_name(d), n) for d, n in zip(run.plan.devices, shards)]
         run.say(f"workload partition: {pairs}")
         run.say(banner(run.plan, run.trainer, run.start_step, shards, run.input_note))
@@ -161,7 +161,7 @@ class TutorialLog(Hook):
         )
         run.say(
             f"time for {steps_run} iterations of {plan.model_name} on "
-            f"{len(plan.devices)} {run.trainer.unit}, mode {plan.config.mode}: {seconds:f} sec "
+            f"{len(plan.devices)} {run.trainer.split.unit}, mode {plan.config.mode}: {seconds:f} sec "
             f"(first step {clock.first_step_seconds:.2f} sec with tracing; then "
             f"{images_per_second:.0f} images/sec)"
         )

@@ -21,8 +21,8 @@ class TrainSummaries(Hook):
         if not run.plan.logs(step):
             return
         seconds = max(run.clock.training_seconds(), 1e-9)
-        rate = learning_rate(run.trainer.optimizer)
-        shares = zip(run.plan.devices, run.trainer.shards)
+        rate = learning_rate(run.trainer.model.optimizer)
+        shares = zip(run.plan.devices, run.trainer.split.shards)
         self.summaries.write_train(
             step,
             {

@@ -23,7 +23,7 @@ caught stop signal rides in the all-reduce that counts the batch's rows
 
 Before any collective of training, the workers agree (`exchange.Cluster.agree`): on every
 setting that fixes the update and on the initial weights when the trainer is
-made (before a restore), on the training data in `split.WorkerSplit.set_up`, the first
+made (before a restore), on the training data in `split.WorkerBalancer.set_up`, the first
 place the trainer sees it. A difference stops every worker with ConfigError.
 
 Only the chief (task `chief`, else `worker:0`) writes the model directory;
@@ -46,7 +46,7 @@ from tfdp.cluster_strategy import join_cluster
 from tfdp.devices import AUTO, split_batch
 from tfdp.errors import ConfigError
 from tfdp.exchange import Cluster
-from tfdp.split import WorkerSplit
+from tfdp.split import WorkerBalancer
 from tfdp.steps import cut, num_examples, shard_sizes_for
 from tfdp.trainers.trainer import Trainer
 
@@ -55,7 +55,7 @@ class MultiWorkerTrainer(Trainer):
     """This worker's part of synchronous training over the whole cluster."""
 
     unit = "worker(s)"
-    Split = WorkerSplit
+    Balancer = WorkerBalancer
 
     def __init__(self, strategy, cluster, model, shards, config, jit_compile=False):
         """
@@ -70,7 +70,6 @@ class MultiWorkerTrainer(Trainer):
         """
         self.workers = list(cluster.workers)
         self.index = cluster.index
-        self.is_chief = cluster.is_chief
         self.local_replicas = strategy.local_replicas
         # --rebalance_every or a simulated slowdown: each step times this worker
         slowdown = bool(config.simulate_slowdown)
@@ -86,7 +85,7 @@ class MultiWorkerTrainer(Trainer):
             timed=timed,
             jit_compile=jit_compile,
         )
-        self.exchange = Cluster(strategy, self.workers, self.index)
+        self.exchange = Cluster(strategy, self.workers, self.index, cluster.is_chief)
         strategy.send_along(self.exchange.signals_caught)
         self._gather = None  # arrays: indices -> their examples (`distribute_indices`)
         self.config = config
@@ -121,7 +120,7 @@ class MultiWorkerTrainer(Trainer):
     @property
     def worker_batch(self) -> int:
         """This worker's examples of a full global batch, at the current split."""
-        return self.shards[self.index]
+        return self.split.shards[self.index]
 
     def train_step(self, iterator, steps: int = 1):
         """`steps` updates on the next global batches; returns their logs (over the whole
@@ -156,7 +155,7 @@ class MultiWorkerTrainer(Trainer):
         (`steps.shard_sizes_for`), cut near-equally over its local replicas: one
         value per local replica."""
         examples = num_examples(batch)  # the global batch, or an epoch's partial last one
-        sizes = shard_sizes_for(examples, self.global_batch_size, self.shard_sizes)
+        sizes = shard_sizes_for(examples, self.split.global_batch_size, self.split.sizes)
         begin, size = tf.reduce_sum(sizes[: self.index]), sizes[self.index]
         own = tf.nest.map_structure(lambda t: t[begin : begin + size], batch)
         if self._gather is not None:  # indices: read this worker's examples only
@@ -177,7 +176,7 @@ class MultiWorkerTrainer(Trainer):
         examples = num_examples(batch)
 
         def work(shard):
-            gradients = self.probe.train(shard, examples)[1]
+            gradients = self._probe.train(shard, examples)[1]
             # a value that needs every gradient, so none is pruned away
             return tf.add_n([tf.reduce_sum(g) for g in gradients])
 
@@ -188,7 +187,7 @@ class MultiWorkerTrainer(Trainer):
                     self.strategy.run_unweighed(work, args=(self._local_pieces(batch),))
                 )
 
-        with self.untouched():
+        with self._untouched():
             for _ in range(2):  # tracing, then a warm step
                 [t.numpy() for t in step()]
             steps, start = 0, time.perf_counter()
@@ -206,7 +205,7 @@ class MultiWorkerTrainer(Trainer):
         """
         rates = self.exchange.gather(int(num_examples(batch)) / self.seconds_alone(batch))
         powers = [round(r / max(rates), 4) for r in rates]
-        self.set_shards(split_batch(self.global_batch_size, powers))
+        self.split.set(split_batch(self.split.global_batch_size, powers))
         return {"devices": self.workers, "images_per_second": rates, "powers": powers}
 
     def calibrate_slowdown(self, batch, factors: dict) -> dict:
@@ -233,7 +232,7 @@ class MultiWorkerTrainer(Trainer):
         return {
             "chains": self.chains,
             "worker": self.workers[self.index],
-            "chief": self.is_chief,
+            "chief": self.exchange.is_chief,
             "worker_batch": self.worker_batch,
         }
 
@@ -261,7 +260,7 @@ class WorkerCheckpointer(Checkpointer):
 
     def save(self, step: int) -> str:
         """The path of the run's checkpoint of `step`: the one the chief writes."""
-        if self.trainer.is_chief:
+        if self.trainer.exchange.is_chief:
             return super().save(step)
         import tensorflow as tf
 

@@ -23,7 +23,7 @@ import tensorflow as tf
 from tfdp import shards as shards_lib
 from tfdp.exchange import LOCAL
 from tfdp.replicas import Placement, kept
-from tfdp.split import DeviceSplit
+from tfdp.split import DeviceBalancer, Split
 from tfdp.steps import DeviceWork, num_examples, shard_sizes_for, split, with_metrics
 from tfdp.strategy import MirroredStrategy
 
@@ -58,25 +58,25 @@ class Trainer:
     """Synchronous replicas of one Keras model, each running the model's own step on its
     piece of every global batch.
 
-    What the loop and the split read:
-      devices: what the batch is split over (device names, or worker names); unit: what
-        they are, for the banner.
-      shards: examples of a full global batch on each, in order; global_batch_size.
+    What the rest of tfdp uses of it:
+      the step: `distribute` (or `distribute_indices`), `train_step`, `test_step`, `close`;
+        `host_iterator` and `marked` say what the iterator is.
       model: the model being trained (the user's own object, its variables placed for the
-        strategy while the trainer is open); optimizer: its optimizer.
-      balanced: the split is the run's own (mode weighted): it may be measured,
-        rebalanced, and saved with a checkpoint.
-      timed: each step reads every device's seconds (`device_seconds`); only when
-        something reads them (auto powers, rebalancing, the simulated slowdown), since on
-        a GPU the clock syncs the device with the host.
-      Split: what splits the batch before training (split.py); exchange: what this
-        process tells the others of its run (exchange.py); is_chief: this process writes
-        the run's files.
+        strategy while the trainer is open; its weights and optimizer are the run's).
+      split: how each global batch is split (`split.Split`: devices, shards, what a
+        checkpoint saves); Balancer: what measures and sets it (split.py), through the
+        probes `seconds_alone`, `seconds_together` and `set_delays`; timed: each step reads
+        every device's seconds (`device_seconds`), only when something reads them (auto
+        powers, rebalancing, the simulated slowdown): on a GPU the clock syncs the device
+        with the host.
+      exchange: what this process tells the others of its run, and whether it writes the
+        run's files (exchange.py); checkpointer: what saves and restores it there.
+      what it says: `describe` (the banner), `notes` (how the model's step ran),
+        `result_info` (the result's entries).
     """
 
-    unit = "device(s)"
-    is_chief = True
-    Split = DeviceSplit
+    unit = "device(s)"  # what the split's devices are, for the banner
+    Balancer = DeviceBalancer
     exchange = LOCAL
     marked = False  # each element is (batch, whether its pass has ended) (`Stream.marked`)
 
@@ -114,23 +114,18 @@ class Trainer:
             (`steps.DeviceWork`: a CPU device keeps several cores busy with one-threaded
             kernels); 1: the model's train_step as it is.
         """
-        self.devices = list(devices)
-        self.shards = list(shards)
-        self.global_batch_size = sum(shards)
-        self.balanced = balanced
+        self.split = Split(devices, shards, balanced=balanced, fixed=input != "split", unit=self.unit)
+        self.split.sizes  # noqa: B018 (the variable, before any step is traced)
         self.timed = timed or slowdown
-        self.input = input
+        self._input = input
         self.strategy = strategy
         self.strategy.warn_notes = False  # the run says them (`notes`)
         if self.timed:
             replicas = strategy.num_replicas_in_sync
             self.strategy.report_seconds([0.0] * replicas if slowdown else None)
-        with tf.device("/cpu:0"):  # the batch is cut on the host
-            self.shard_sizes = tf.Variable(self.shards, dtype=tf.int32, trainable=False)
         self.model = model
-        self.placement = Placement(model, strategy=self.strategy)
-        self.placement.enter()
-        self.optimizer = model.optimizer
+        self._placement = Placement(model, strategy=self.strategy)
+        self._placement.enter()
         self.chains = chains
         if chains > 1 and strategy.num_replicas_in_sync > 1:
             raise ValueError(f"chains={chains} needs one replica")
@@ -142,19 +137,19 @@ class Trainer:
                 f"devices {', '.join(strategy.extended.worker_devices)} and their all-reduce"
             )
         # chains: the batch cut into pieces whose gradients are summed and applied once
-        self.work = DeviceWork(model, chains, self.jit_compile, False) if chains > 1 else None
+        self._work = DeviceWork(model, chains, self.jit_compile, False) if chains > 1 else None
         # probes time each replica's forward and backward pass without the update
-        self.probe = DeviceWork(model, 1, False, True, may_be_empty=True)
+        self._probe = DeviceWork(model, 1, False, True, may_be_empty=True)
         self._replicas_train = self._train_replicas
         if self.jit_compile and not model.run_eagerly and chains == 1:  # one XLA program
             self._replicas_train = tf.function(self._train_replicas, jit_compile=True, autograph=False)
-        self.compile()
+        self._compile()
         self._seconds_alone = tf.function(self._alone, autograph=False)
         self._seconds_together = tf.function(self._together, autograph=False)
 
     def describe(self) -> str:
         """What the banner adds about this mode's reduction."""
-        if not self.balanced:
+        if not self.split.balanced:
             return ""
         if getattr(self.strategy, "reduce_to", None) == "device0":
             return "; gradients summed on device0 and sent back"
@@ -162,7 +157,7 @@ class Trainer:
 
     def notes(self) -> list[str]:
         """How the model's own train_step is run, where not as Keras runs it (once traced)."""
-        work = [] if self.work is None else self.work.notes
+        work = [] if self._work is None else self._work.notes
         return [*self._notes, *work, *self.strategy.notes]
 
     # --- the data
@@ -170,11 +165,11 @@ class Trainer:
     @property
     def host_iterator(self) -> bool:
         """`distribute` gives a tf.data iterator (its position can be saved)."""
-        return self.input == "split"  # else tf.distribute's, which cannot be saved
+        return self._input == "split"  # else tf.distribute's, which cannot be saved
 
     def distribute(self, dataset):
         """The iterator `train_step` reads, from a dataset of global batches."""
-        if self.input == "split":
+        if self._input == "split":
             return iter(dataset)
         return iter(self.strategy.experimental_distribute_dataset(dataset))
 
@@ -188,7 +183,7 @@ class Trainer:
 
     # --- the step: Keras' own, on every replica's piece
 
-    def compile(self) -> None:
+    def _compile(self) -> None:
         """Makes the compiled step functions, as the model asks: eager with `run_eagerly`,
         else one tf.function per kind of call (autograph off, as Keras traces a step)."""
         if self.model.run_eagerly:
@@ -226,20 +221,20 @@ class Trainer:
     def _seconds(self):
         """Each device's seconds in the step just run (zeros where not timed)."""
         if not self.timed:
-            return tf.zeros([len(self.devices)], tf.float64)
+            return tf.zeros([len(self.split.devices)], tf.float64)
         return self.strategy.last_seconds
 
     def _train_replicas(self, pieces):
-        step = self.model.train_step if self.work is None else self._chained_step
+        step = self.model.train_step if self._work is None else self._chained_step
         return self._first(self.strategy.run(step, args=(pieces,)))
 
     def _chained_step(self, batch):
         """The model's train_step on side-by-side pieces of `batch`, their gradients summed
         and applied once with the model's optimizer."""
         with shards_lib.handing_over(self.model):
-            logs, gradients, _, _ = self.work.train_either(batch, num_examples(batch))
+            logs, gradients, _, _ = self._work.train_either(batch, num_examples(batch))
         if gradients:  # (a model without trainable weights has nothing to update)
-            self.optimizer.apply_gradients(zip(gradients, self.work.variables))
+            self.model.optimizer.apply_gradients(zip(gradients, self._work.variables))
         return with_metrics(self.model, logs)
 
     def _test(self, batch):
@@ -248,14 +243,14 @@ class Trainer:
 
     def _pieces(self, batch):
         """A global batch on the host -> one piece per replica, of the run's split."""
-        if self.input != "split":
+        if self._input != "split":
             return batch  # the strategy's iterator cut it
         examples = num_examples(batch)  # the global batch, or an epoch's partial last one
-        sizes = shard_sizes_for(examples, self.global_batch_size, self.shard_sizes)
+        sizes = shard_sizes_for(examples, self.split.global_batch_size, self.split.sizes)
         return self._split(batch, sizes)
 
     def _split(self, batch, sizes):
-        pieces = split(batch, sizes, len(self.devices))
+        pieces = split(batch, sizes, len(self.split.devices))
         return self.strategy.experimental_distribute_values_from_function(
             lambda context: pieces[context.replica_id_in_sync_group]
         )
@@ -337,30 +332,13 @@ class Trainer:
         done, _, outputs, _ = tf.while_loop(more, step, start)
         return {**outputs, "steps": done}
 
-    # --- weights
-
-    def get_weights(self) -> list:
-        return self.model.get_weights()
-
-    def set_weights(self, weights) -> None:
-        self.model.set_weights(weights)
-
     def close(self) -> None:
         """The model's variables back as the model had them, with the trained values."""
-        if self.placement is not None:
-            self.placement.exit()
-            self.placement = None
+        if self._placement is not None:
+            self._placement.exit()
+            self._placement = None
 
     # --- the split and its measurement
-
-    def set_shards(self, shards) -> None:
-        """Splits the following batches as `shards` (same global batch)."""
-        if self.input != "split":
-            raise ValueError("shards can only be set with input='split'")
-        if sum(shards) != self.global_batch_size or len(shards) != len(self.devices):
-            raise ValueError(f"shards {shards} do not split {self.global_batch_size} examples")
-        self.shards = list(shards)
-        self.shard_sizes.assign(shards)
 
     def set_delays(self, delays) -> None:
         """Simulated slowdown: seconds of sleep per example, per replica."""
@@ -369,16 +347,16 @@ class Trainer:
     def seconds_alone(self, batch, index: int) -> float:
         """Device `index`'s seconds for its forward and backward pass on `batch`, the others
         idle, without an update (the model's state as it was before)."""
-        with self.untouched():
+        with self._untouched():
             return float(self._seconds_alone(batch, index))
 
     def seconds_together(self, batch):
         """Each device's seconds for forward and backward on its shard of the global
         batch, all devices at once as in a step, without an update."""
-        with self.untouched():
+        with self._untouched():
             return self._seconds_together(batch).numpy()
 
-    def untouched(self):
+    def _untouched(self):
         """Inside: what a probe step changes besides the weights (metrics, batch-norm
         statistics, random seeds) is put back afterwards."""
         model = self.model
@@ -391,11 +369,11 @@ class Trainer:
         return tf.gather(sleep, tf.distribute.get_replica_context().replica_id_in_sync_group)
 
     def _together(self, batch):
-        return self._timed(batch, tf.convert_to_tensor(self.shard_sizes))
+        return self._timed(batch, tf.convert_to_tensor(self.split.sizes))
 
     def _alone(self, batch, index):
         # The other replicas get empty pieces: the same program, no work.
-        sizes = [0] * len(self.devices)
+        sizes = [0] * len(self.split.devices)
         sizes[index] = num_examples(batch)
         return self._timed(batch, tf.stack(sizes))[index]
 
@@ -404,7 +382,7 @@ class Trainer:
         examples = num_examples(batch)
 
         def seconds(piece):
-            return self.probe.train(piece, examples, self._delay())[3]
+            return self._probe.train(piece, examples, self._delay())[3]
 
         with shards_lib.handing_over(self.model):
             per_replica = self.strategy.run(seconds, args=(self._split(batch, sizes),))
