@@ -211,3 +211,45 @@ def test_a_model_with_a_variable_keras_does_not_know_is_refused_in_one_line():
     tfdp.fit(trained, x, y, batch_size=BATCH, shuffle=False, verbose=0, **MODES["single"])
     for have, want in zip(trained.get_weights(), keras_model.get_weights()):
         np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
+
+
+class Counting(keras.Model):
+    """Counts its calls in a variable of its own, as Keras' callback tests do."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = self.add_variable(shape=(), initializer="zeros", trainable=False)
+        self.out = keras.layers.Dense(CLASSES)
+
+    def call(self, x):
+        self.calls.assign(self.calls + 1)
+        return self.out(x)
+
+
+def test_single_hands_callbacks_the_models_variables_as_model_fit_does():
+    """In single the model's variables stay as Keras made them: a callback reads
+    `int(model.calls)` after each batch, as under model.fit (a strategy's mirrored
+    variable refuses int())."""
+    x, y = data()
+
+    class Reads(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.read = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.read.append(int(self.model.calls))
+
+    runs = {}
+    for name, fit in (("keras", None), ("single", tfdp.fit)):
+        keras.utils.set_random_seed(5)
+        model = compiled(Counting())
+        reads = Reads()
+        if fit is None:
+            model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[reads])
+        else:
+            fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                callbacks=[reads], **MODES["single"])
+        runs[name] = reads.read
+    assert runs["keras"] == [1, 2, 3, 4, 5, 6, 7, 8]  # 4 batches an epoch
+    assert runs["single"] == runs["keras"]

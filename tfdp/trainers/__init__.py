@@ -1,7 +1,8 @@
 """The trainer of every mode (`trainer.Trainer`), made for the run's mode and devices.
 
-single       the model's own step under a tfdp.MirroredStrategy of one replica
-mirrored     ... of even shares over the devices
+single       the model's own step on one device, as Keras runs it (one replica of
+             tfdp.MirroredStrategy where the run times the device)
+mirrored     the model's own step under tfdp.MirroredStrategy, even shares
 weighted     ... of the run's uneven shares; the gradients summed on device 0 and
              sent back (--reduce=device0, the tutorial) or all-reduced
 multiworker  MultiWorkerTrainer: the Trainer of one worker of TF_CONFIG, under
@@ -63,7 +64,10 @@ def build_trainer(
         if config.model in MODELS and not models.has_batch_statistics(model)
         else 1
     )
+    # No strategy: Keras' own step on the device, as model.fit runs it; one replica of
+    # tfdp's strategy where the run times the device (a simulated slowdown, auto powers).
+    strategy = local_strategy(devices, shards) if timed else None
     return Trainer(
-        model, local_strategy(devices, shards), devices, shards, slowdown=slowdown,
-        timed=timed, jit_compile=jit_compile, chains=chains,
+        model, strategy, devices, shards, slowdown=slowdown, timed=timed,
+        jit_compile=jit_compile, chains=chains,
     )

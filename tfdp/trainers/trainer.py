@@ -98,7 +98,8 @@ class Trainer:
           model: a compiled, built Keras model (any kind): it is trained in place, its
             variables mirrored over the strategy's replicas while the trainer is open.
           strategy: tfdp's strategy of the mode (`local_strategy`, or a
-            `tfdp.MultiWorkerMirroredStrategy`).
+            `tfdp.MultiWorkerMirroredStrategy`); None: no strategy, the model's step on
+            the one device of `devices` as Keras runs it (mode single, untimed).
           devices: what the batch is split over: the devices of one machine, one replica
             each, or the workers of a cluster.
           shards: examples of a full global batch on each of `devices`.
@@ -119,17 +120,21 @@ class Trainer:
         self.timed = timed or slowdown
         self._input = input
         self.strategy = strategy
-        self.strategy.warn_notes = False  # the run says them (`notes`)
+        self._device = None if strategy is not None else self.split.devices[0]
+        if strategy is None and (self.timed or len(self.split.devices) > 1):
+            raise ValueError("a timed step, or several devices, need a strategy")
+        if strategy is not None:
+            strategy.warn_notes = False  # the run says them (`notes`)
         if self.timed:
             replicas = strategy.num_replicas_in_sync
-            self.strategy.report_seconds([0.0] * replicas if slowdown else None)
+            strategy.report_seconds([0.0] * replicas if slowdown else None)
         self.model = model
-        self._placement = Placement(model, strategy=self.strategy)
+        self._placement = Placement(model, strategy=strategy, device=self._device)
         self._placement.enter()
         self.chains = chains
-        if chains > 1 and strategy.num_replicas_in_sync > 1:
-            raise ValueError(f"chains={chains} needs one replica")
-        self.jit_compile = bool(jit_compile and self.strategy.compiles_with_xla)
+        if chains > 1 and len(self.split.devices) > 1:
+            raise ValueError(f"chains={chains} needs one device")
+        self.jit_compile = bool(jit_compile and (strategy is None or strategy.compiles_with_xla))
         self._notes = []
         if jit_compile and not self.jit_compile:
             self._notes.append(
@@ -158,7 +163,7 @@ class Trainer:
     def notes(self) -> list[str]:
         """How the model's own train_step is run, where not as Keras runs it (once traced)."""
         work = [] if self._work is None else self._work.notes
-        return [*self._notes, *work, *self.strategy.notes]
+        return [*self._notes, *work, *getattr(self.strategy, "notes", [])]
 
     # --- the data
 
@@ -226,7 +231,19 @@ class Trainer:
 
     def _train_replicas(self, pieces):
         step = self.model.train_step if self._work is None else self._chained_step
-        return self._first(self.strategy.run(step, args=(pieces,)))
+        return self._run(step, pieces)
+
+    def _run(self, fn, pieces):
+        """`fn` on every replica's piece, in the strategy; its values as a replica's (each
+        holds the whole batch's: the strategy reads them so). Without a strategy, `fn` on
+        the device, as Keras runs the model's step."""
+        if self.strategy is None:
+            with tf.device(self._device):
+                return fn(pieces)
+        per_replica = self.strategy.run(fn, args=(pieces,))
+        return tf.nest.map_structure(
+            lambda value: self.strategy.experimental_local_results(value)[0], per_replica
+        )
 
     def _chained_step(self, batch):
         """The model's train_step on side-by-side pieces of `batch`, their gradients summed
@@ -238,8 +255,7 @@ class Trainer:
         return with_metrics(self.model, logs)
 
     def _test(self, batch):
-        logs = self.strategy.run(self.model.test_step, args=(self._pieces(batch),))
-        return self._first(logs)
+        return self._run(self.model.test_step, self._pieces(batch))
 
     def _pieces(self, batch):
         """A global batch on the host -> one piece per replica, of the run's split."""
@@ -251,14 +267,10 @@ class Trainer:
 
     def _split(self, batch, sizes):
         pieces = split(batch, sizes, len(self.split.devices))
+        if self.strategy is None:
+            return pieces[0]  # (its batch size unknown to the trace, as in Keras' fit)
         return self.strategy.experimental_distribute_values_from_function(
             lambda context: pieces[context.replica_id_in_sync_group]
-        )
-
-    def _first(self, logs):
-        """The step's logs: every replica holds the whole batch's (the strategy reads them so)."""
-        return tf.nest.map_structure(
-            lambda value: self.strategy.experimental_local_results(value)[0], logs
         )
 
     def _one_step(self, iterator):
@@ -342,6 +354,8 @@ class Trainer:
 
     def set_delays(self, delays) -> None:
         """Simulated slowdown: seconds of sleep per example, per replica."""
+        if self.strategy is None:
+            raise ValueError("the trainer was made without a simulated slowdown")
         self.strategy.set_sleep_per_example(delays)
 
     def seconds_alone(self, batch, index: int) -> float:
@@ -363,7 +377,7 @@ class Trainer:
         return kept([*model.non_trainable_variables, *model.metrics_variables])
 
     def _delay(self):
-        sleep = self.strategy.sleep_per_example
+        sleep = getattr(self.strategy, "sleep_per_example", None)
         if sleep is None:
             return None
         return tf.gather(sleep, tf.distribute.get_replica_context().replica_id_in_sync_group)
@@ -385,6 +399,8 @@ class Trainer:
             return self._probe.train(piece, examples, self._delay())[3]
 
         with shards_lib.handing_over(self.model):
+            if self.strategy is None:
+                return tf.stack([self._run(seconds, self._split(batch, sizes))])
             per_replica = self.strategy.run(seconds, args=(self._split(batch, sizes),))
         return tf.stack(self.strategy.experimental_local_results(per_replica))
 
