@@ -253,3 +253,4 @@ def test_single_hands_callbacks_the_models_variables_as_model_fit_does():
         runs[name] = reads.read
     assert runs["keras"] == [1, 2, 3, 4, 5, 6, 7, 8]  # 4 batches an epoch
     assert runs["single"] == runs["keras"]
+

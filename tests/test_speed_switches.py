@@ -97,6 +97,9 @@ def test_jit_compile_runs_the_step_as_an_xla_program(singles, images):
     function = trainer._replicas_train  # the model's own train_step in the strategy, by XLA
     hlo = function.experimental_get_compiler_ir((x, images.labels[:BATCH]))(stage="hlo")
     assert "convolution(" in hlo  # LeNet's convolutions, lowered by XLA
+    # the evaluation step too, as Keras' evaluate compiles it (its metrics round as Keras')
+    hlo = trainer._replicas_test.experimental_get_compiler_ir((x, images.labels[:BATCH]))(stage="hlo")
+    assert "convolution(" in hlo
     plain, _ = singles["bfloat16"]
     assert not plain.jit_compile
     assert not hasattr(plain._replicas_train, "experimental_get_compiler_ir")

@@ -148,7 +148,7 @@ class MultiWorkerTrainer(Trainer):
             pieces = self._pieces(batch)
         finally:
             self._gather = saved
-        return self._run(self.model.test_step, pieces)
+        return self._replicas_test(pieces)
 
     def _pieces(self, batch):
         """This worker's slice of the whole global `batch` by the split of this step

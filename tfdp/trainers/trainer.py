@@ -145,9 +145,11 @@ class Trainer:
         self._work = DeviceWork(model, chains, self.jit_compile, False) if chains > 1 else None
         # probes time each replica's forward and backward pass without the update
         self._probe = DeviceWork(model, 1, False, True, may_be_empty=True)
-        self._replicas_train = self._train_replicas
-        if self.jit_compile and not model.run_eagerly and chains == 1:  # one XLA program
-            self._replicas_train = tf.function(self._train_replicas, jit_compile=True, autograph=False)
+        self._replicas_train, self._replicas_test = self._train_replicas, self._test_replicas
+        if self.jit_compile and not model.run_eagerly:  # each step one XLA program, as in Keras
+            if chains == 1:
+                self._replicas_train = tf.function(self._train_replicas, jit_compile=True, autograph=False)
+            self._replicas_test = tf.function(self._test_replicas, jit_compile=True, autograph=False)
         self._compile()
         self._seconds_alone = tf.function(self._alone, autograph=False)
         self._seconds_together = tf.function(self._together, autograph=False)
@@ -255,7 +257,10 @@ class Trainer:
         return with_metrics(self.model, logs)
 
     def _test(self, batch):
-        return self._run(self.model.test_step, self._pieces(batch))
+        return self._replicas_test(self._pieces(batch))
+
+    def _test_replicas(self, pieces):
+        return self._run(self.model.test_step, pieces)
 
     def _pieces(self, batch):
         """A global batch on the host -> one piece per replica, of the run's split."""
