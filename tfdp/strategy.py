@@ -272,9 +272,9 @@ class UnevenShares:
     @property
     def compiles_with_xla(self) -> bool:
         """Whether a model's `jit_compile=True` is kept: XLA compiles the whole step over the
-        replicas only where there is one, or every replica is a GPU, as in TensorFlow's
-        MirroredStrategy."""
-        if self.num_replicas_in_sync == 1:
+        replicas only where every replica is a GPU, as in TensorFlow's MirroredStrategy, or
+        on the one replica of a machine's strategy."""
+        if self.num_replicas_in_sync == 1 and isinstance(self, tf.distribute.MirroredStrategy):
             return True
         return all("GPU" in d.upper() for d in self.extended.worker_devices)
 
