@@ -28,22 +28,6 @@ def num_examples(batch) -> tf.Tensor:
     return tf.shape(leaf)[0]
 
 
-def unknown_batch_size(batch):
-    """`batch` with the size of its first axis unknown to a trace, as in the batches Keras
-    reads from a dataset: what a step does with the static batch size (Keras weighs each
-    output's loss by it) is then what it does in `model.fit`. Eager tensors, sparse and
-    ragged ones are returned as they are."""
-
-    def relaxed(leaf):
-        if not isinstance(leaf, tf.Tensor) or tf.executing_eagerly() or leaf.shape.rank is None:
-            return leaf
-        if leaf.shape.rank == 0:
-            return leaf
-        return tf.compat.v1.placeholder_with_default(leaf, [None, *leaf.shape[1:]])
-
-    return tf.nest.map_structure(relaxed, batch)
-
-
 def zeros_like_gradient(gradient, variable):
     """What an empty piece adds to `variable`'s gradient, like `gradient`: nothing (no rows,
     for a sparse one). Made from shapes alone, so that it may stand in another branch."""
