@@ -46,7 +46,7 @@ def main() -> None:
     import numpy as np
 
     import tfdp
-    from tfdp.data import load_mnist
+    from tfdp.data.mnist import load_mnist
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(

@@ -107,18 +107,18 @@ def simulate(
 
 
 class _SimulatedTrainer:
-    """What the balancing needs of a trainer: its split (tfdp's own object) and device times
-    under load, here from the cost model (`together(shards)`)."""
+    """What the balancing needs of a trainer's probes: the split (tfdp's own object) and
+    device times under load, here from the cost model (`together(shards)`)."""
 
     def __init__(self, global_batch: int, shards: list[int], together: Callable[[list[int]], list[float]]):
-        from tfdp.split import Split
+        from tfdp.engine.split import Split
 
         self.split = Split([f"device{i}" for i in range(len(shards))], shards)
-        self.together = together
+        self._together = together
 
     @property
     def shards(self) -> list[int]:
         return self.split.shards
 
-    def seconds_together(self, batch) -> list[float]:
-        return self.together(self.split.shards)
+    def together(self, batch) -> list[float]:
+        return self._together(self.split.shards)

@@ -66,10 +66,10 @@ def train_steps(config, devices, data, steps, model=None):
     """A trainer of `config` on `devices` after `steps` steps on `data`'s stream of
     batches (seed and batch size of `config`), and the last step's metrics (its batch's:
     the model's metrics are reset before each step)."""
-    from tfdp.data import train_dataset
-    from tfdp.hooks.report import floats
-    from tfdp.trainers import build_trainer
-    from tfdp.training import partition
+    from tfdp.data.arrays import train_dataset
+    from tfdp.engine.modes import build_trainer
+    from tfdp.run.hooks.report import floats
+    from tfdp.run.training import partition
 
     trainer = build_trainer(config, devices, partition(config, devices), model)
     iterator = trainer.distribute(train_dataset(data, config.batch_size, config.seed))
@@ -81,7 +81,7 @@ def train_steps(config, devices, data, steps, model=None):
 
 def random_images(count, seed=0):
     """MNIST-shaped uint8 images and int32 labels."""
-    from tfdp.data import Arrays
+    from tfdp.data.arrays import Arrays
 
     rng = np.random.default_rng(seed)
     return Arrays(
@@ -104,7 +104,7 @@ def write_idx(path, array, magic=None, extra=b"", cut=0):
 
 def write_mnist_dir(directory, num_train=50, num_test=20, seed=0):
     """The four MNIST IDX files with random content; returns {split: (images, labels)}."""
-    from tfdp.data import IDX_FILES
+    from tfdp.data.mnist import IDX_FILES
 
     rng = np.random.default_rng(seed)
     contents = {}
@@ -216,7 +216,7 @@ def own_stderr_lines(process):
 def launch(*args, workers=2, env=None, timeout=240, cwd=None):
     """Runs `tfdp-launch` to its end."""
     return subprocess.run(
-        [sys.executable, "-m", "tfdp.launch", f"--workers={workers}", *args],
+        [sys.executable, "-m", "tfdp.cluster.launch", f"--workers={workers}", *args],
         capture_output=True,
         text=True,
         env=env or environment(),

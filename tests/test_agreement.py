@@ -15,19 +15,19 @@ import sys
 import pytest
 from helpers import ROOT, environment, own_stderr_lines, refusal, run_together
 
-from tfdp.cluster import (
+from tfdp.cluster.agreement import (
     AGREED_FIELDS,
     LOCAL_FIELDS,
     Agreed,
     digest,
     disagreement,
     first_difference,
-    read_cluster,
     settings_to_agree,
 )
+from tfdp.cluster.launch import free_ports, tf_configs
+from tfdp.cluster.spec import read_cluster
 from tfdp.config import Config
 from tfdp.errors import ConfigError
-from tfdp.launch import free_ports, tf_configs
 
 WORKERS = ("worker:0", "worker:1")
 TOY = ["--model=toy", "--batch_size=256", "--progress=never"]

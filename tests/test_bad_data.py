@@ -11,7 +11,6 @@ import shutil
 import numpy as np
 import pytest
 import tensorflow as tf
-
 from helpers import cli_in_process, launch, load_weights, result, worker_lines
 
 FILES, RECORDS, BATCH, FEATURES = 4, 40, 16, 8
@@ -279,7 +278,7 @@ def test_the_words_are_tensorflows_own_from_a_graph_and_from_python(tmp_path):
     """An error raised inside a tf.function comes wrapped in "Graph execution error",
     the stack where the op was made and the node: the line keeps TensorFlow's message
     only; a Python error raised in a generator keeps its own class and message."""
-    from tfdp import bad_data
+    from tfdp.data import bad_data
 
     write_records(str(tmp_path), files=1)
     path = str(tmp_path / "part-0.tfrecord")
@@ -321,17 +320,14 @@ def test_a_worker_names_the_checkpoint_it_saved_not_what_the_chief_has_written(t
     import keras
 
     from tfdp import Config
-    from tfdp.trainers.multiworker import WorkerCheckpointer
+    from tfdp.engine.split import Split
+    from tfdp.run.checkpoints import Checkpointer
 
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(), loss="mse")
-    worker = types.SimpleNamespace(
-        model=model,
-        exchange=types.SimpleNamespace(is_chief=False),
-        workers=["worker:0", "worker:1"],
-        index=1,
-    )
-    checkpointer = WorkerCheckpointer(Config(model_dir=str(tmp_path)), worker)
+    worker = types.SimpleNamespace(is_chief=False, worker="worker:1")  # a cluster's exchange
+    split = Split(["worker:0", "worker:1"], [4, 4])
+    checkpointer = Checkpointer(Config(model_dir=str(tmp_path)), model, split, worker)
     assert checkpointer.standing is None
     checkpointer.save(6)
     assert tf.train.latest_checkpoint(checkpointer.directory) is None  # the chief's is not there

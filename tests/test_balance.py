@@ -20,7 +20,7 @@ from tfdp.balance import (
     powers_from_seconds,
     whole_shares,
 )
-from tfdp.split import Split
+from tfdp.engine.split import Split
 
 BATCH = 1024
 SPEEDS = {"one slow of two": [1, 4], "one fast of four": [1, 1, 1, 8], "even": [3, 3]}
@@ -466,11 +466,11 @@ def test_the_simulated_slowdown_is_calibrated_at_the_even_split_with_every_devic
     """A device made 4x slower sleeps 3x its seconds per example in a step at the even
     split, all devices at once (where they share cores), whatever split the run has."""
 
-    class Trainer:
+    class Probes:
         split = Split(["cpu:0", "cpu:1"], [160, 40])  # the run's given split
         timed_at, delays = [], None
 
-        def seconds_together(self, batch):
+        def together(self, batch):
             shards = self.split.shards
             self.timed_at.append(list(shards))
             return [0.002 * shards[0], 0.003 * shards[1]]  # cpu:1 is 1.5x slower
@@ -478,8 +478,8 @@ def test_the_simulated_slowdown_is_calibrated_at_the_even_split_with_every_devic
         def set_delays(self, delays):
             self.delays = delays
 
-    trainer = Trainer()
-    delays = calibrate_slowdown(trainer, batch=None, factors=[1.0, 4.0])
-    assert trainer.timed_at == [[100, 100]] * 4  # a first untimed run, then 3
-    assert delays == trainer.delays == pytest.approx([0.0, 3 * 0.003])
-    assert trainer.split.shards == [160, 40]  # the run's split back
+    probes = Probes()
+    delays = calibrate_slowdown(probes, batch=None, factors=[1.0, 4.0])
+    assert probes.timed_at == [[100, 100]] * 4  # a first untimed run, then 3
+    assert delays == probes.delays == pytest.approx([0.0, 3 * 0.003])
+    assert probes.split.shards == [160, 40]  # the run's split back

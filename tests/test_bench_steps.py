@@ -25,7 +25,7 @@ _reference = {}
 
 @pytest.fixture(scope="module")
 def mnist(mnist_dir):
-    from tfdp.data import load_mnist
+    from tfdp.data.mnist import load_mnist
 
     return load_mnist("train", mnist_dir=mnist_dir)
 
@@ -37,7 +37,7 @@ def reference_weights(steps, channels_first, mnist):
     if key not in _reference:
         import tensorflow as tf
 
-        from tfdp.data import train_dataset
+        from tfdp.data.arrays import train_dataset
         from tfdp.models import build_model, channels_first_lenet, initial_weights
 
         model = build_model("lenet")
@@ -112,7 +112,7 @@ def test_the_command_prints_its_result_and_saves_the_weights(mnist_dir, tmp_path
     assert result["variant"] == "bare" and result["steps"] == STEPS_OTHERWISE
     with np.load(weights_out) as saved:
         got = [saved[f"arr_{i}"] for i in range(len(saved.files))]
-    from tfdp.data import load_mnist
+    from tfdp.data.mnist import load_mnist
 
     expected = reference_weights(STEPS_OTHERWISE, False, load_mnist("train", mnist_dir=mnist_dir))
     for want, have in zip(expected, got, strict=True):
@@ -148,7 +148,7 @@ def lenet_and_batch():
     import keras
     import tensorflow as tf
 
-    from tfdp.data import synthetic_mnist
+    from tfdp.data.mnist import synthetic_mnist
     from tfdp.models import build_model
 
     arrays = synthetic_mnist(num_examples=64)

@@ -18,7 +18,7 @@ import pytest
 from helpers import environment, load_weights, refusal, result, run_together, train
 
 from tfdp import Config
-from tfdp.cluster import find_cluster, read_cluster, slurm_cluster, slurm_gpus
+from tfdp.cluster.spec import find_cluster, read_cluster, slurm_cluster, slurm_gpus
 from tfdp.errors import ConfigError
 
 

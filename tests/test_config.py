@@ -7,7 +7,7 @@ from tfdp.config import DEFAULT_ITERATIONS
 
 
 def test_defaults_are_the_tutorial_lenet_run():
-    from tfdp.plan import with_batch_size
+    from tfdp.run.plan import with_batch_size
 
     config = Config()
     assert (

@@ -6,7 +6,7 @@ Every fenced shell command of README.md and docs/*.md that runs `tfdp`,
 output) is checked:
 
 - every `--flag` it uses is one its module defines (absl's FLAGS of
-  tfdp.cli, tfdp.bench.table, tfdp.bench.steps or tfdp.bench.memory; tfdp.launch's own flags
+  tfdp.cli, tfdp.bench.table, tfdp.bench.steps or tfdp.bench.memory; tfdp.cluster.launch's own flags
   plus tfdp's, which it passes on);
 - the quick ones are run from the repository root, as CI runs the tests
   (`.ci/run`), with `--model_dir` and `--result_json` moved into a
@@ -49,7 +49,7 @@ SEPARATORS = {"&&", "||", "|", ";"}
 MODULES = {
     "tfdp": "tfdp.cli",
     "tfdp-bench": "tfdp.bench.table",
-    "tfdp-launch": "tfdp.launch",
+    "tfdp-launch": "tfdp.cluster.launch",
     "tfdp.bench": "tfdp.bench.table",
 }
 
@@ -90,7 +90,7 @@ def program(args):
         return args[0]
     python = len(args) >= 3 and re.match(r"python3?$", args[0]) and args[1] == "-m"
     if python and (args[2] == "tfdp" or args[2].startswith("tfdp.")):
-        return {"tfdp": "tfdp", "tfdp.launch": "tfdp-launch"}.get(args[2], args[2])
+        return {"tfdp": "tfdp", "tfdp.cluster.launch": "tfdp-launch"}.get(args[2], args[2])
     return None
 
 
@@ -172,7 +172,7 @@ from absl import flags
 name = sys.argv[1]
 module = importlib.import_module(name)
 getattr(module, "define_flags", lambda: None)()  # the bench commands define theirs when run
-if name == "tfdp.launch":
+if name == "tfdp.cluster.launch":
     own = re.findall(r"--(\w+)", module.USAGE)
     importlib.import_module("tfdp.cli")
     names = own + [f.name for f in flags.FLAGS.get_flags_for_module("tfdp.cli")]
@@ -240,7 +240,7 @@ def relocated(args, tmp_path):
         out.append(arg)
     name = program(args)
     head = 3 if args[0].startswith("python") else 1
-    module = {"tfdp": "tfdp", "tfdp-launch": "tfdp.launch"}[name]
+    module = {"tfdp": "tfdp", "tfdp-launch": "tfdp.cluster.launch"}[name]
     return [sys.executable, "-m", module, *out[head:]]
 
 
@@ -332,7 +332,7 @@ def test_help_leads_with_what_a_first_run_needs():
     listed = re.findall(r"^  --(?:\[no\])?(\w+):", process.stdout, flags=re.MULTILINE)
     assert listed[:4] == ["mode", "devices", "powers", "batch_size"], listed
     assert len(listed) == len(set(listed)) >= 30, listed
-    for name in ("tfdp.bench", "tfdp.launch"):
+    for name in ("tfdp.bench", "tfdp.cluster.launch"):
         process = subprocess.run(
             [sys.executable, "-m", name, "--help"],
             capture_output=True,

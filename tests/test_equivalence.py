@@ -7,10 +7,10 @@ import pytest
 from helpers import CPUS
 
 from tfdp import Config
-from tfdp.data import train_dataset
-from tfdp.hooks.report import floats
-from tfdp.trainers import build_trainer
-from tfdp.training import partition
+from tfdp.data.arrays import train_dataset
+from tfdp.engine.modes import build_trainer
+from tfdp.run.hooks.report import floats
+from tfdp.run.training import partition
 
 BATCH = 100
 SEED = 5
@@ -121,7 +121,7 @@ def test_resplits_and_slowdown_keep_the_update(reduce, images, reference):
     )
     trainer = build_trainer(config, CPUS[:2], partition(config, CPUS[:2]))
     delay = 2e-4  # seconds of sleep per example on cpu:1
-    trainer.set_delays([0.0, delay])
+    trainer.balancer.probes.set_delays([0.0, delay])
     iterator = trainer.distribute(train_dataset(images, BATCH, SEED))
     for shards in ([50, 50], [80, 20], [10, 90]):
         trainer.split.set(shards)
@@ -166,5 +166,5 @@ def test_the_step_reads_the_host_clock_only_when_it_is_used(options, timed, imag
     test_resplits_and_slowdown_keep_the_update is timed)."""
     config = Config(devices="cpu:0,cpu:1", batch_size=BATCH, seed=SEED, **options)
     trainer = build_trainer(config, CPUS[:2], partition(config, CPUS[:2]))
-    assert trainer.timed is timed
+    assert trainer.balancer.probes.timed is timed
     assert bool(host_callbacks(trainer, images)) is timed

@@ -12,7 +12,7 @@ from helpers import TOY, latest_step, load_weights, tfdp, toy_config, train, wai
 
 import tfdp as tfdp_library
 from tfdp.errors import ConfigError
-from tfdp.training import NonFinite
+from tfdp.run.training import NonFinite
 
 
 @pytest.mark.slow
@@ -141,7 +141,7 @@ def test_non_finite_weights_are_never_saved(tmp_path):
 
 
 def test_an_empty_test_split_fails_before_training(tmp_path):
-    from tfdp.data import IDX_FILES, IMAGES_MAGIC, LABELS_MAGIC
+    from tfdp.data.mnist import IDX_FILES, IMAGES_MAGIC, LABELS_MAGIC
 
     rng = np.random.default_rng(0)
     sizes = {"train": 64, "test": 0}

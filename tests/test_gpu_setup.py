@@ -18,7 +18,9 @@ import tensorflow as tf
 from helpers import refusal, tfdp
 
 from tfdp import Config, ConfigError
-from tfdp import launch as launch_module
+from tfdp.cluster import launch as launch_module
+from tfdp.cluster.launch import UsageError, check_gpus, parse_args, visible_gpus, worker_environment
+from tfdp.data.epochs import Schedule
 from tfdp.devices import (
     available_devices,
     configure_logical_devices,
@@ -26,10 +28,8 @@ from tfdp.devices import (
     master_on_cpu,
     parse_devices,
 )
-from tfdp.epochs import Schedule
-from tfdp.hooks.report import banner
-from tfdp.launch import UsageError, check_gpus, parse_args, visible_gpus, worker_environment
-from tfdp.plan import Plan, default_devices
+from tfdp.run.hooks.report import banner
+from tfdp.run.plan import Plan, default_devices
 
 CPU0, CPU1, GPU0, GPU1 = "/device:CPU:0", "/device:CPU:1", "/device:GPU:0", "/device:GPU:1"
 
@@ -140,8 +140,8 @@ def test_the_gradients_are_summed_on_device_0_and_each_device_trains_its_shard()
     there (the tutorial's reduction) and the sum is sent to every device's copy of the
     weights, which each device updates; each device computes its own shard's forward and
     backward pass; afterwards the model's variables are where they were before."""
+    from tfdp.engine.modes import build_trainer
     from tfdp.models import built_in
-    from tfdp.trainers import build_trainer
 
     model = built_in(Config(model="toy"), build=True)
 
@@ -402,7 +402,7 @@ def test_gpus_per_worker_parses():
 
 def launcher(*args, env=None):
     return subprocess.run(
-        [sys.executable, "-m", "tfdp.launch", *args],
+        [sys.executable, "-m", "tfdp.cluster.launch", *args],
         capture_output=True,
         text=True,
         timeout=60,

@@ -9,8 +9,8 @@ import pytest
 from helpers import CPUS, train
 
 from tfdp import Config
-from tfdp.trainers import build_trainer
-from tfdp.training import partition
+from tfdp.engine.modes import build_trainer
+from tfdp.run.training import partition
 
 
 @pytest.mark.parametrize("reduce", ["device0", "allreduce"])
@@ -28,7 +28,7 @@ def test_auto_powers_see_a_device_slowed_4x(reduce, images):
     assert shards == [100, 100]  # auto starts even
     trainer = build_trainer(config, devices, shards)
     lines = []
-    info, probe = trainer.Balancer(trainer).set_up(config, images, lines.append)
+    info, probe = trainer.balancer.set_up(config, images, lines.append)
     slowed = info["simulated_slowdown"]["CPU:1"]
     assert slowed["factor"] == 4 and slowed["sleep_seconds_per_example"] > 0
     assert list(info["simulated_slowdown"]) == ["CPU:1"]
@@ -52,7 +52,7 @@ def test_no_balancing_options_measure_nothing(images):
     config = Config(mode="weighted", devices="cpu:0,cpu:1", batch_size=200)
     trainer = build_trainer(config, CPUS[:2], [100, 100])
     lines = []
-    assert trainer.Balancer(trainer).set_up(config, images, lines.append) == (
+    assert trainer.balancer.set_up(config, images, lines.append) == (
         {"simulated_slowdown": None, "auto_powers": None},
         None,
     )

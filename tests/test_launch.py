@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tfdp import launch as launch_module
-from tfdp.launch import _stream
+from tfdp.cluster import launch as launch_module
+from tfdp.cluster.launch import _stream
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ["--model=toy", "--batch_size=256", "--progress=never"]
@@ -109,9 +109,9 @@ def environment(**extra):
 
 
 def start(*args, workers=2):
-    """Starts `tfdp-launch` (python -m tfdp.launch)."""
+    """Starts `tfdp-launch` (python -m tfdp.cluster.launch)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "tfdp.launch", f"--workers={workers}", *args],
+        [sys.executable, "-m", "tfdp.cluster.launch", f"--workers={workers}", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -251,7 +251,7 @@ def test_isolated_and_host_workers_train_the_same(networks):
 
 REFUSE = """
 import errno, os
-import tfdp.launch as launch
+import tfdp.cluster.launch as launch
 
 def refuse(flags):
     raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
@@ -355,7 +355,7 @@ def test_an_unprivileged_user_isolates_through_a_user_namespace(tmp_path):
 def refused(*args):
     """`tfdp-launch ARGS` that stops before starting any worker."""
     return subprocess.run(
-        [sys.executable, "-m", "tfdp.launch", *args],
+        [sys.executable, "-m", "tfdp.cluster.launch", *args],
         capture_output=True,
         text=True,
         env=environment(),
@@ -391,7 +391,7 @@ def test_a_command_of_ones_own_is_refused_without_a_command_or_beside_tfdp_flags
 
 def test_help_describes_the_network_flag():
     process = subprocess.run(
-        [sys.executable, "-m", "tfdp.launch", "--help"],
+        [sys.executable, "-m", "tfdp.cluster.launch", "--help"],
         capture_output=True,
         text=True,
         env=environment(),

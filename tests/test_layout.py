@@ -77,8 +77,47 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_modules_import_one_another_without_a_circle():
     graph = imports(PACKAGE)
-    assert len(graph) > 30 and "tfdp.streams" in graph["tfdp.data"]  # the graph is read
+    assert len(graph) > 30 and "tfdp.data.streams" in graph["tfdp.data.arrays"]  # the graph is read
     assert circles(graph) == []
+
+
+# What each part must never import: the engine trains whatever drives it; data, the
+# cluster and balancing serve the engine and the run.
+DRIVERS = ("tfdp.run", "tfdp.bench", "tfdp.cli", "tfdp.fitting", "tfdp.cluster.launch")
+BELOW = {
+    "tfdp.engine": DRIVERS,
+    "tfdp.data": ("tfdp.engine", *DRIVERS),
+    "tfdp.cluster": ("tfdp.engine", "tfdp.data", *DRIVERS),
+    "tfdp.balance": ("tfdp.engine", "tfdp.data", "tfdp.cluster", *DRIVERS),
+}
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """The imports of a part of the package (BELOW) that reach a part above it."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        for part, above in BELOW.items():
+            if module == part or module.startswith(part + "."):
+                found += [
+                    f"{module} -> {target}"
+                    for target in sorted(targets)
+                    if any(target == a or target.startswith(a + ".") for a in above)
+                    and target != module
+                    and not (part == "tfdp.cluster" and module == "tfdp.cluster.launch")
+                ]
+    return found
+
+
+def test_the_engine_imports_neither_the_run_nor_the_commands_nor_the_launcher():
+    assert upward_imports(imports(PACKAGE)) == []
+
+
+def test_an_upward_import_is_found():
+    graph = {"tfdp.engine.trainer": {"tfdp.run.checkpoints"}, "tfdp.data.arrays": {"tfdp.cli"}}
+    assert upward_imports(graph) == [
+        "tfdp.data.arrays -> tfdp.cli",
+        "tfdp.engine.trainer -> tfdp.run.checkpoints",
+    ]
 
 
 def test_a_circle_is_found(tmp_path):
@@ -91,3 +130,45 @@ def test_a_circle_is_found(tmp_path):
     (package / "b.py").write_text("def f():\n    from pkg.a import thing\n")
     (package / "c.py").write_text("import pkg.a\n")
     assert circles(imports(package)) == [["pkg.a", "pkg.b"]]
+
+
+# What the rest of tfdp may use of a trainer (engine/trainer.py's docstring).
+TRAINER_CONTRACT = {
+    "distribute", "train_step", "test_step", "close",  # the step
+    "model", "split", "balancer", "exchange",  # the objects it holds
+    "info", "notes",  # what it says
+}
+
+
+def trainer_uses(root: pathlib.Path) -> dict[str, set[str]]:
+    """Each module outside the engine -> the attributes it reads of a trainer (a name, or
+    an attribute, called `trainer`)."""
+    uses = {}
+    for path in sorted(root.rglob("*.py")):
+        name = module_name(path, root)
+        if name.startswith(f"{root.name}.engine"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            holder = node.value
+            if (isinstance(holder, ast.Name) and holder.id == "trainer") or (
+                isinstance(holder, ast.Attribute) and holder.attr == "trainer"
+            ):
+                uses.setdefault(name, set()).add(node.attr)
+    return uses
+
+
+def test_the_rest_of_tfdp_uses_a_trainer_through_its_contract_only():
+    uses = trainer_uses(PACKAGE)
+    assert {"tfdp.run.training", "tfdp.run.hooks.report"} <= set(uses)  # the uses are read
+    beyond = {module: sorted(used - TRAINER_CONTRACT) for module, used in uses.items()}
+    assert {module: used for module, used in beyond.items() if used} == {}
+
+
+def test_a_use_beyond_the_contract_is_found(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("def f(run, trainer):\n    run.trainer.model\n    trainer.strategy\n")
+    assert trainer_uses(package) == {"pkg.a": {"model", "strategy"}}

@@ -29,7 +29,7 @@ from helpers import (
 )
 
 from tfdp import Config, split_batch
-from tfdp.launch import free_ports, tf_configs
+from tfdp.cluster.launch import free_ports, tf_configs
 
 TOY = ["--model=toy", "--batch_size=256", "--progress=never"]
 
@@ -261,29 +261,31 @@ def test_sigterm_to_one_worker_stops_both_at_the_same_saved_step(tmp_path, strai
 
 READ_A_WORKER_ITERATOR = """
 import json
-from tfdp import Config, data
-from tfdp.cluster import read_cluster
-from tfdp.cluster_strategy import join_cluster
-from tfdp.trainers import build_trainer
+from tfdp import Config
+from tfdp.data import arrays as in_memory
+from tfdp.data import mnist
+from tfdp.cluster.spec import read_cluster
+from tfdp.engine.cluster_strategy import join_cluster
+from tfdp.engine.modes import build_trainer
 config = Config(mode="multiworker", model="toy", batch_size=8)
 workers = list(read_cluster().workers)
 join_cluster(config)
 trainer = build_trainer(config, workers, [8])
-arrays = data.make_toy_data(0, num_examples=50)
-iterator = trainer.distribute(data.train_dataset(arrays, 8, 1))
+arrays = mnist.make_toy_data(0, num_examples=50)
+iterator = trainer.distribute(in_memory.train_dataset(arrays, 8, 1))
 loss = float(trainer.train_step(iterator)["logs"]["loss"])
 dataset = iterator._dataset
 read = {"iterator": type(iterator).__name__, "autotune": dataset.options().autotune.enabled}
 # arrays: the iterator gives example indices; the step gathers the worker's slice of them
 import numpy as np, tensorflow as tf
-gathered, gather = [], data.gatherer(arrays)
+gathered, gather = [], in_memory.gatherer(arrays)
 def count(indices):
     gathered.append(len(indices))
     return np.int64(0)
 def counted(indices):
     tf.numpy_function(count, [indices], tf.int64)
     return gather(indices)
-iterator = trainer.distribute_indices(data.train_indices(arrays, 8, 1), counted)
+iterator = trainer.distribute(in_memory.train_indices(arrays, 8, 1), gather=counted)
 read["first"] = next(iter(iterator._dataset)).numpy().tolist()
 loss = float(trainer.train_step(iterator)["logs"]["loss"])
 read["gathered"] = gathered
@@ -389,7 +391,7 @@ def test_bad_multiworker_flags(args, message, tmp_path, monkeypatch):
 )
 def test_bad_launch_flags(args, message):
     process = subprocess.run(
-        [sys.executable, "-m", "tfdp.launch", *args],
+        [sys.executable, "-m", "tfdp.cluster.launch", *args],
         capture_output=True,
         text=True,
         env=environment(),

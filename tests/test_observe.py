@@ -1,6 +1,6 @@
 import io
 
-from tfdp.observe import Progress, format_duration
+from tfdp.run.observe import Progress, format_duration
 
 
 class FakeClock:

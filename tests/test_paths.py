@@ -15,7 +15,7 @@ import pytest
 from helpers import latest_step, load_weights, result, toy_config, train, write_idx
 
 from tfdp import Config
-from tfdp.data import IDX_FILES, IMAGES_MAGIC, LABELS_MAGIC, MNIST_DIR_ENV
+from tfdp.data.mnist import IDX_FILES, IMAGES_MAGIC, LABELS_MAGIC, MNIST_DIR_ENV
 from tfdp.errors import ConfigError
 
 

@@ -21,9 +21,9 @@ import tensorflow as tf
 from helpers import write_idx
 
 from tfdp import Config
-from tfdp.data import make_toy_data
+from tfdp.data.mnist import make_toy_data
 from tfdp.models import initial_weights
-from tfdp.training import prepare, run
+from tfdp.run.training import prepare, run
 
 SEED = 3
 LEARNING_RATE = 0.1  # the tutorial's, and Config's default

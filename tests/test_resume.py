@@ -33,7 +33,7 @@ from helpers import (
 )
 
 from tfdp.errors import ConfigError
-from tfdp.training import NonFinite
+from tfdp.run.training import NonFinite
 
 ITERATIONS = 600  # far longer than the time to the kills
 # mirrored is the same trainer with even shares; weighted also saves its split
@@ -277,7 +277,7 @@ def test_export_summaries_and_result(tmp_path, capsys):
     )
     with np.load(out) as arrays:
         weights = [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
-    from tfdp.data import make_toy_data
+    from tfdp.data.mnist import make_toy_data
 
     test = make_toy_data(0, num_examples=2000, split="test")
     hidden = np.maximum(test.images @ weights[0] + weights[1], 0)

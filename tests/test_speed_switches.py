@@ -258,7 +258,7 @@ def test_the_switches_build_a_users_model_and_every_mode_makes_the_single_update
     assert keras.config.dtype_policy().name == "float32"  # the import built it as written
 
     from tfdp import fit
-    from tfdp.data import make_toy_data
+    from tfdp.data.mnist import make_toy_data
 
     toy = make_toy_data(0, num_examples=200)
     fitted = fit(

@@ -14,7 +14,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -32,10 +31,10 @@ from helpers import (
     worker_lines,
 )
 
-from tfdp.checkpoints import Checkpointer
-from tfdp.storage import StorageError, export_model, write_atomically
 from tfdp.config import Config
 from tfdp.errors import ConfigError
+from tfdp.run.checkpoints import Checkpointer
+from tfdp.storage import StorageError, export_model, write_atomically
 
 TOY = ["--model=toy", "--batch_size=100", "--progress=never", "--checkpoint_every=10"]
 
@@ -221,7 +220,7 @@ def test_files_honour_the_umask(tmp_path, umask):
         write_atomically(os.path.join(model_dir, "result.json"), "{}\n")
         export_model(tiny_model(), os.path.join(model_dir, "model.keras"))
         checkpointer = Checkpointer(
-            checkpointed_config(model_dir), fake_trainer(tiny_model(), balanced=True)
+            checkpointed_config(model_dir), **run_parts(tiny_model(), balanced=True)
         )
         checkpointer.save(1)
     finally:
@@ -276,18 +275,16 @@ def checkpointed_config(model_dir, **changes):
     return Config(model="toy", model_dir=model_dir, **changes)
 
 
-def fake_trainer(model, balanced=False):
-    """What Checkpointer asks of a trainer: its model (compiled), its split, its exchange."""
+def run_parts(model, balanced=False):
+    """What a Checkpointer is handed: the model (compiled), the split, the exchange."""
     import keras
 
-    from tfdp.exchange import LOCAL
-    from tfdp.split import Split
+    from tfdp.cluster.exchange import LOCAL
+    from tfdp.engine.split import Split
 
     if getattr(model, "optimizer", None) is None:
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    return types.SimpleNamespace(
-        model=model, split=Split(["/device:CPU:0"], [100], balanced=balanced), exchange=LOCAL
-    )
+    return dict(model=model, split=Split(["/device:CPU:0"], [100], balanced=balanced), exchange=LOCAL)
 
 
 def test_a_full_disk_during_a_save_keeps_the_last_good_checkpoint(tmp_path):
@@ -297,7 +294,7 @@ def test_a_full_disk_during_a_save_keeps_the_last_good_checkpoint(tmp_path):
         config = checkpointed_config(
             model_dir, hidden_units=200, keep_checkpoints=10
         )  # ~110 KB a save
-        checkpointer = Checkpointer(config, fake_trainer(toy_mlp(hidden_units=200)))
+        checkpointer = Checkpointer(config, **run_parts(toy_mlp(hidden_units=200)))
         model = checkpointer.trainer.model
         rng = np.random.default_rng(0)
         saved = {}
@@ -321,7 +318,7 @@ def test_a_full_disk_during_a_save_keeps_the_last_good_checkpoint(tmp_path):
         assert checkpointer.manager.latest_checkpoint.endswith(f"ckpt-{last}")
 
         # A fresh model restores the last good checkpoint, without falling back.
-        fresh = Checkpointer(config, fake_trainer(toy_mlp(hidden_units=200, seed=1)))
+        fresh = Checkpointer(config, **run_parts(toy_mlp(hidden_units=200, seed=1)))
         lines = []
         assert fresh.restore(log=lines.append) == last
         assert lines == []
@@ -332,7 +329,7 @@ def test_a_full_disk_during_a_save_keeps_the_last_good_checkpoint(tmp_path):
 def test_after_a_fallback_the_next_saves_continue_cleanly(tmp_path):
     model_dir = str(tmp_path)
     config = checkpointed_config(model_dir, keep_checkpoints=5)
-    checkpointer = Checkpointer(config, fake_trainer(tiny_model()))
+    checkpointer = Checkpointer(config, **run_parts(tiny_model()))
     model = checkpointer.trainer.model
     rng = np.random.default_rng(0)
     saved = {}
@@ -343,7 +340,7 @@ def test_after_a_fallback_the_next_saves_continue_cleanly(tmp_path):
     truncate_data(model_dir, 30)
     delete_index(model_dir, 20)
 
-    fresh = Checkpointer(config, fake_trainer(tiny_model()))
+    fresh = Checkpointer(config, **run_parts(tiny_model()))
     lines = []
     assert fresh.restore(log=lines.append) == 10
     for x, y in zip(fresh.trainer.model.get_weights(), saved[10], strict=True):
@@ -363,7 +360,7 @@ def test_after_a_fallback_the_next_saves_continue_cleanly(tmp_path):
     fresh.save(20)
     fresh.save(30)
     assert index_names(model_dir) == ["ckpt-30", "ckpt-10", "ckpt-20", "ckpt-30"]
-    again = Checkpointer(config, fake_trainer(tiny_model()))
+    again = Checkpointer(config, **run_parts(tiny_model()))
     lines = []
     assert again.restore(log=lines.append) == 30
     assert lines == []
@@ -372,7 +369,7 @@ def test_after_a_fallback_the_next_saves_continue_cleanly(tmp_path):
 def test_without_an_index_file_the_checkpoints_are_found_by_their_files(tmp_path):
     model_dir = str(tmp_path)
     config = checkpointed_config(model_dir)
-    checkpointer = Checkpointer(config, fake_trainer(tiny_model()))
+    checkpointer = Checkpointer(config, **run_parts(tiny_model()))
     model = checkpointer.trainer.model
     for step in (10, 20):
         model.set_weights([np.full(w.shape, step) for w in model.get_weights()])
@@ -380,7 +377,7 @@ def test_without_an_index_file_the_checkpoints_are_found_by_their_files(tmp_path
     expected = model.get_weights()
     os.remove(os.path.join(checkpoints(model_dir), "checkpoint"))
 
-    fresh = Checkpointer(config, fake_trainer(tiny_model()))
+    fresh = Checkpointer(config, **run_parts(tiny_model()))
     lines = []
     assert fresh.restore(log=lines.append) == 20
     index = os.path.join(checkpoints(model_dir), "checkpoint")

@@ -14,7 +14,6 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-
 from test_keras_data import Batches as Sequence  # a PyDataset of (x, y) batches
 
 import tfdp
@@ -250,7 +249,7 @@ def test_without_the_weighing_uneven_shares_would_not_be_one_device(monkeypatch)
 
 def tensorflows_strategy():
     """TensorFlow's MirroredStrategy, on collective keys of its own."""
-    from tfdp.strategy import next_collective_key_base
+    from tfdp.engine.strategy import next_collective_key_base
 
     before = tf.distribute.MirroredStrategy._collective_key_base  # noqa: SLF001
     tf.distribute.MirroredStrategy._collective_key_base = next_collective_key_base()  # noqa: SLF001
@@ -482,7 +481,7 @@ def test_auto_powers_move_work_off_a_slow_replica_and_stay_exact():
 def test_the_simulated_slowdown_sleeps_in_every_step(monkeypatch):
     """The slow replica's sleep runs in every step, with even shares given (nothing reads
     its clock there: a sleep only ordered before the gradients' hand-over was pruned)."""
-    from tfdp import clock
+    from tfdp.engine import clock
 
     slept = []
     sleep_then_now = clock._sleep_then_now  # noqa: SLF001
@@ -504,7 +503,7 @@ def test_the_replicas_clocks_leave_their_steps_side_by_side():
     """The clock and the simulated slowdown in each replica's part of a step are stateless
     ops: with stateful ones (tf.timestamp, a stateful numpy_function) a tf.function runs
     them in program order, and replica 1 would start only once replica 0 had slept."""
-    from tfdp import clock
+    from tfdp.engine import clock
 
     mirrored = tfdp.MirroredStrategy(DEVICES)
 
@@ -580,7 +579,7 @@ def test_two_workers_under_plain_model_fit_give_one_devices_results(started, tmp
 
     from helpers import environment, launch, run_together
 
-    from tfdp.launch import free_ports, tf_configs
+    from tfdp.cluster.launch import free_ports, tf_configs
 
     script = tmp_path / "worker.py"
     script.write_text(TWO_WORKERS)
@@ -768,7 +767,7 @@ def _loss_scaling_is_tfdps():
     (its trainer and its Loss call it by module attribute): tfdp's replacement weighs by share."""
     from keras.src.losses import loss as loss_module
 
-    from tfdp import shards
+    from tfdp.engine import shards
 
     shards.install()
     with shards.piece(0.25):
@@ -788,7 +787,7 @@ def _keras_functions_are_there():
     iterator, data_batch)` / `_symbolic_build(data_batch=...)` from shapes and dtypes."""
     import inspect
 
-    from tfdp.strategy import _keras_installed
+    from tfdp.engine.strategy import _keras_installed
 
     trainer = _tensorflow_trainer().TensorFlowTrainer  # Keras' own, before tfdp wraps them
     make = _keras_installed.get("make", trainer._make_function)  # noqa: SLF001
@@ -854,7 +853,7 @@ def _optimizers_clip_before_their_all_reduce():
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-    from tfdp.strategy import _clip_installed
+    from tfdp.engine.strategy import _clip_installed
 
     keras_clip = _clip_installed.get("clip", BaseOptimizer._clip_gradients)  # noqa: SLF001
     assert list(inspect.signature(keras_clip).parameters) == ["self", "grads"]

@@ -534,7 +534,7 @@ def test_two_workers_stream_the_pipeline_as_keras_fit_on_one_device(records, tmp
 
     from helpers import environment, run_together
 
-    from tfdp.launch import free_ports, tf_configs
+    from tfdp.cluster.launch import free_ports, tf_configs
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -821,7 +821,7 @@ def test_a_tensorflow_datasets_name_that_cannot_be_trained_on_is_one_line(
 
 
 def test_a_tensorflow_datasets_dataset_keeps_features_that_are_not_images(mock_tfds):
-    from tfdp.sources import load_tfds
+    from tfdp.data.sources import load_tfds
 
     train, validation = load_tfds("tfds:iris", shuffle=False)
     own = mock_tfds.load("iris", split="train", as_supervised=True, shuffle_files=False)
@@ -835,8 +835,8 @@ def test_a_tensorflow_datasets_dataset_keeps_features_that_are_not_images(mock_t
 def test_a_tensorflow_datasets_validation_split_is_streamed(mock_tfds, tmp_path):
     """tfds:NAME's test split is read batch by batch at each evaluation, never held."""
     from tfdp.config import Config
-    from tfdp.plan import load_data
-    from tfdp.streams import EvalStream
+    from tfdp.data.streams import EvalStream
+    from tfdp.run.plan import load_data
 
     _, test = load_data(Config(dataset="tfds:mnist", data_dir=str(tmp_path / "tfds")))
     assert isinstance(test, EvalStream)
@@ -849,7 +849,7 @@ def test_a_tensorflow_datasets_validation_split_is_streamed(mock_tfds, tmp_path)
 def test_a_tensorflow_datasets_download_that_fails_names_data_dir(tmp_path, monkeypatch):
     import tensorflow_datasets as tfds
 
-    from tfdp.sources import load_tfds
+    from tfdp.data.sources import load_tfds
 
     def download_fails(*args, **kwargs):
         raise ConnectionError("simulated: no route to the download server")

@@ -113,10 +113,10 @@ def test_evaluation_is_the_same_on_every_device_set(mnist_dir):
     import tensorflow as tf
     from helpers import CPUS
 
-    from tfdp.data import load_mnist_idx
+    from tfdp.data.mnist import load_mnist_idx
+    from tfdp.engine.modes import build_trainer
     from tfdp.models import build_model
-    from tfdp.trainers import build_trainer
-    from tfdp.training import evaluate, partition
+    from tfdp.run.training import evaluate, partition
 
     test = load_mnist_idx(mnist_dir, "test")
     model = build_model("lenet", seed=1)

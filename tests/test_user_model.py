@@ -15,8 +15,8 @@ from helpers import tfdp as run_tfdp
 
 import tfdp
 from tfdp import Config, ConfigError
-from tfdp.data import train_dataset
-from tfdp.replicas import build
+from tfdp.data.arrays import train_dataset
+from tfdp.engine.placement import build
 
 BATCH = 60
 SEED = 3

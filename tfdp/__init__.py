@@ -21,21 +21,21 @@ from tfdp.errors import ConfigError
 
 _LAZY = {
     "fit": "tfdp.fitting",
-    "join_cluster": "tfdp.cluster_strategy",
-    "train": "tfdp.training",
-    "prepare": "tfdp.training",
-    "run": "tfdp.training",
-    "build_trainer": "tfdp.trainers",
-    "Trainer": "tfdp.trainers",
+    "join_cluster": "tfdp.engine.cluster_strategy",
+    "train": "tfdp.run.training",
+    "prepare": "tfdp.run.training",
+    "run": "tfdp.run.training",
+    "build_trainer": "tfdp.engine.modes",
+    "Trainer": "tfdp.engine.trainer",
     "build_model": "tfdp.models",
     "lenet": "tfdp.models",
     "toy_mlp": "tfdp.models",
     "initial_weights": "tfdp.models",
-    "load_mnist": "tfdp.data",
-    "make_toy_data": "tfdp.data",
-    "train_dataset": "tfdp.data",
-    "MirroredStrategy": "tfdp.strategy",
-    "MultiWorkerMirroredStrategy": "tfdp.cluster_strategy",
+    "load_mnist": "tfdp.data.mnist",
+    "make_toy_data": "tfdp.data.mnist",
+    "train_dataset": "tfdp.data.arrays",
+    "MirroredStrategy": "tfdp.engine.strategy",
+    "MultiWorkerMirroredStrategy": "tfdp.engine.cluster_strategy",
 }
 
 __all__ = ["Config", "ConfigError", "configure_logical_devices", "split_batch", *_LAZY]

@@ -29,7 +29,6 @@ onednn.enable_by_default()
 
 from absl import app, flags, logging  # noqa: E402
 
-from tfdp.storage import StorageError, write_atomically  # noqa: E402
 from tfdp.config import AUTO, Config  # noqa: E402
 from tfdp.devices import (  # noqa: E402
     check_intra_op_threads,
@@ -41,7 +40,8 @@ from tfdp.devices import (  # noqa: E402
     set_intra_op_threads,
 )
 from tfdp.errors import ConfigError, DataError  # noqa: E402
-from tfdp.signals import Stopped  # noqa: E402
+from tfdp.run.signals import Stopped  # noqa: E402
+from tfdp.storage import StorageError, write_atomically  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -171,7 +171,7 @@ def checked_config(argv: list[str]) -> Config:
     if FLAGS.intra_op_threads is not None:
         check_intra_op_threads(FLAGS.intra_op_threads)
     if config.mode == "multiworker":
-        from tfdp.cluster import find_cluster
+        from tfdp.cluster.spec import find_cluster
 
         find_cluster(config)  # a missing or malformed cluster fails here, before TensorFlow starts
         if FLAGS.logical_cpus:
@@ -210,7 +210,7 @@ def main(argv: list[str]) -> None:
         config = checked_config(argv)
         with chatter.filtered_stderr():  # TensorFlow starts up in here
             set_up_process(config)
-            from tfdp import training  # imports TensorFlow: after the checks that need none
+            from tfdp.run import training  # imports TensorFlow: after the checks that need none
 
             plan = training.prepare(config)
     except ConfigError as error:
@@ -227,7 +227,7 @@ def main(argv: list[str]) -> None:
     except StorageError as error:  # a full disk, a read-only directory: the last save stands
         _fail(str(error), status=1)
     except Exception as error:  # a worker of the cluster died or stopped responding
-        from tfdp import cluster
+        from tfdp.cluster import spec as cluster
 
         if config.mode != "multiworker" or not cluster.is_cluster_error(error):
             raise

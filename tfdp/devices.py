@@ -202,7 +202,7 @@ def master_on_cpu(devices: Sequence[str]) -> str | None:
     """A sentence for a weighted run whose device 0 is a CPU while a GPU takes part; else None.
 
     Device 0 receives every other device's gradients, sums them and sends the sum
-    back (the strategy's reduction to device 0, trainers/trainer.py): on a CPU,
+    back (the strategy's reduction to device 0, engine/trainer.py): on a CPU,
     the GPU waits for it at every step.
     """
     if not devices or ":CPU:" not in devices[0] or not any(":GPU:" in d for d in devices):
@@ -258,7 +258,7 @@ def default_intra_op_threads(config, logical_cpus: int, gpus: int, cores: int) -
     if not cpus:
         return 0
     # tfdp cuts the batch into chains only in mode single, and by default only for its
-    # built-in models (see trainers.build_trainer): a model of the user's is not known
+    # built-in models (see modes.build_trainer): a model of the user's is not known
     # before TensorFlow starts.
     built_in = config.model in ("lenet", "toy")
     chains = 1

@@ -12,8 +12,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 
-from tfdp import replicas, streams
 from tfdp.config import Config
+from tfdp.data import streams
+from tfdp.engine import placement
 from tfdp.errors import ConfigError, DoesNotFit
 
 KERAS_BATCH_SIZE = 32  # Keras fit's default
@@ -81,7 +82,7 @@ def fit(
     Raises:
       ConfigError: bad settings, data, model or callbacks, before any training.
     """
-    from tfdp.hooks.keras import check_callbacks
+    from tfdp.run.hooks.keras import check_callbacks
 
     callbacks = check_callbacks(
         callbacks, config.model_dir if config is not None else settings.get("model_dir")
@@ -123,7 +124,7 @@ def fit(
             )
         except TypeError as error:  # an unknown keyword
             raise ConfigError("settings", sorted(settings), str(error)) from None
-    with replicas.outside_strategy_scopes():
+    with placement.outside_strategy_scopes():
         return _fit(model, train, validation, config, log, verbose, callbacks,
                     validation_batch_size, validation_steps, validation_freq)
 
@@ -133,7 +134,7 @@ def _fit(model, train, validation, config, log, verbose, callbacks, validation_b
     """`fit` once its settings are a Config."""
     import keras
 
-    from tfdp import training
+    from tfdp.run import training
 
     try:
         plan = training.prepare(config, model=model, train_data=train, validation_data=validation)
@@ -199,7 +200,7 @@ def default_batch_size(train, steps_per_epoch) -> int:
     """Keras' default: 32, or with `steps_per_epoch` the batch that covers the data in it."""
     if steps_per_epoch is None:
         return KERAS_BATCH_SIZE
-    from tfdp import data as data_lib
+    from tfdp.data import arrays as data_lib
 
     examples = data_lib.size(train)
     return -(-examples // steps_per_epoch)
@@ -211,7 +212,7 @@ def fit_data(x, y, sample_weight, class_weight, validation_split, validation_dat
     import tensorflow as tf
     from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
 
-    from tfdp import sources
+    from tfdp.data import sources
 
     if streams.is_stream_input(x):
         if y is not None or sample_weight is not None:
@@ -270,7 +271,7 @@ def validation_of(data):
     streamed, batch by batch, at each validation (`streams.EvalStream`)."""
     from keras.src.trainers.data_adapters import data_adapter_utils
 
-    from tfdp import sources
+    from tfdp.data import sources
 
     if data is None:
         return None

@@ -169,7 +169,7 @@ def the_model(model, field: str = "model", source=None, precision: str = "float3
     """
     from keras.src.trainers.trainer import Trainer
 
-    from tfdp.replicas import check_model
+    from tfdp.engine.placement import check_model
 
     label = source or getattr(model, "name", None) or repr(model)
     if isinstance(model, Trainer):
@@ -222,7 +222,7 @@ def built_in(config, build: bool = False):
     if build:
         import tensorflow as tf
 
-        from tfdp.replicas import build as build_model_on
+        from tfdp.engine.placement import build as build_model_on
 
         shape = BUILT_IN_INPUTS[config.model]
         build_model_on(model, (tf.zeros((2, *shape), tf.float32), tf.zeros((2,), tf.int32)))

@@ -32,7 +32,7 @@ example moved off a slow device saves more time than it costs a fast one,
 so the fastest expected step gives slow devices a little less. Without
 noise the two targets are the same split.
 
-Pure Python (trainers are used through their methods, tensors read with
+Pure Python (a trainer is used through its probes, tensors read with
 float()): the training loop, tfdp-bench and the tests' cost model
 (tests/cost_model.py) run the same code.
 

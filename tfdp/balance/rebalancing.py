@@ -1,7 +1,7 @@
 """What measures the devices and re-splits the batch during a run.
 
-The trainer is used through its probes (`seconds_alone`, `seconds_together`,
-`set_delays`) and its split (`trainer.split.set`); the arithmetic is split.py's.
+A trainer is used through its probes (`Trainer.probes`: `alone`, `together`,
+`set_delays`, and the split they time, `probes.split`); the arithmetic is split.py's.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from tfdp.balance.split import (
 )
 
 
-def seconds_alone(trainer, batch, index: int, repeats: int = 3) -> float:
+def seconds_alone(probes, batch, index: int, repeats: int = 3) -> float:
     """Median seconds of device `index` for forward and backward on `batch`, alone.
 
     One untimed run first: tracing and first-run costs are not the device's speed.
     """
-    trainer.seconds_alone(batch, index)
-    return statistics.median(trainer.seconds_alone(batch, index) for _ in range(repeats))
+    probes.alone(batch, index)
+    return statistics.median(probes.alone(batch, index) for _ in range(repeats))
 
 
 def _examples(batch) -> int:
@@ -42,7 +42,7 @@ def _examples(batch) -> int:
     return int(tf.nest.flatten(batch)[0].shape[0])
 
 
-def calibrate_slowdown(trainer, batch, factors: Sequence[float], repeats: int = 3) -> list[float]:
+def calibrate_slowdown(probes, batch, factors: Sequence[float], repeats: int = 3) -> list[float]:
     """Sets the simulated slowdown: device i becomes `factors[i]` times slower in a step,
     timed with every device at once on its piece of an even split of `batch` (a global
     batch), as in training, where devices may share cores: a device timed alone would
@@ -50,34 +50,34 @@ def calibrate_slowdown(trainer, batch, factors: Sequence[float], repeats: int = 
 
     Returns the seconds of sleep per example each device gets.
     """
-    given = list(trainer.split.shards)
-    even = whole_shares(trainer.split.global_batch_size, [1.0] * len(trainer.split.devices))
-    trainer.split.set(even)
+    given = list(probes.split.shards)
+    even = whole_shares(probes.split.global_batch_size, [1.0] * len(probes.split.devices))
+    probes.split.set(even)
     try:
-        trainer.seconds_together(batch)  # tracing and first-run costs are not the speed
+        probes.together(batch)  # tracing and first-run costs are not the speed
         seconds = [
             statistics.median(column)
-            for column in zip(*(trainer.seconds_together(batch) for _ in range(repeats)))
+            for column in zip(*(probes.together(batch) for _ in range(repeats)))
         ]
     finally:
-        trainer.split.set(given)
+        probes.split.set(given)
     delays = [
         0.0 if factor == 1 else (factor - 1) * second / shard
         for factor, second, shard in zip(factors, seconds, even)
     ]
-    trainer.set_delays(delays)
+    probes.set_delays(delays)
     return delays
 
 
-def measure_powers(trainer, batch) -> list[float]:
+def measure_powers(probes, batch) -> list[float]:
     """Auto powers: each device's examples per second on `batch`, alone."""
     return powers_from_seconds(
-        _examples(batch), [seconds_alone(trainer, batch, i) for i in range(len(trainer.split.devices))]
+        _examples(batch), [seconds_alone(probes, batch, i) for i in range(len(probes.split.devices))]
     )
 
 
 def settle_under_load(
-    trainer,
+    probes,
     batch,
     log: Callable[[str], None] = print,
     window: int = PROBE_WINDOW,
@@ -95,10 +95,10 @@ def settle_under_load(
 
     Returns the `Rebalancing`, whose `resplits` say what changed.
     """
-    trainer.seconds_together(batch)
-    rebalancing = Rebalancing(trainer, window, log, first_window=window, unit="probe step")
+    probes.together(batch)
+    rebalancing = Rebalancing(probes, window, log, first_window=window, unit="probe step")
     for step in range(window * windows):
-        rebalancing.observe(step, trainer.seconds_together(batch))
+        rebalancing.observe(step, probes.together(batch))
     return rebalancing
 
 
@@ -128,17 +128,17 @@ class Rebalancing:
 
     def __init__(
         self,
-        trainer,
+        probes,
         every: int,
         log: Callable[[str], None] = print,
         first_window: int = 1,
         unit: str = "iteration",
     ):
-        self.trainer = trainer
+        self.probes = probes
         self.every = every
         self.log = log
         self.unit = unit  # what the log calls a step
-        self.rebalancer = Rebalancer(trainer.split.global_batch_size)
+        self.rebalancer = Rebalancer(probes.split.global_batch_size)
         self.window = []
         self.window_length = min(first_window, every)  # steps in the current window
         self.split_steps = []  # device times of the current split's latest steps
@@ -187,7 +187,7 @@ class Rebalancing:
 
         seconds = [statistics.median(column) for column in zip(*self.split_steps)]
         variances = self.log_variances()
-        old = list(self.trainer.split.shards)
+        old = list(self.probes.split.shards)
         rates, overheads = self.rebalancer.times(
             old, seconds, variances, self.earlier_splits, len(self.split_steps)
         )
@@ -203,7 +203,7 @@ class Rebalancing:
         if new == old or not significant:
             self.last_move = None  # the split held: a later move starts afresh
             return
-        self.trainer.split.set(new)
+        self.probes.split.set(new)
         self.last_move = [_sign(n - o) for o, n in zip(old, new)]
         earlier = (old, seconds, len(self.split_steps))
         self.earlier_splits = [*self.earlier_splits, earlier][-(FIT_SPLITS - 1) :]

@@ -112,8 +112,8 @@ def data():
 
 def validation_run(job: dict) -> dict:
     """20 steps of the command's path with streamed validation data, evaluated every 10."""
-    from tfdp import training
     from tfdp.config import Config
+    from tfdp.run import training
 
     script = job["script"]
     config = Config(

@@ -54,11 +54,11 @@ def mixed_configurations(factor: float, sweep, batch_size: int) -> list[MixedSpe
 
 
 def load_arrays(job: dict):
-    from tfdp import data
+    from tfdp.data import mnist
 
     if job["synthetic"]:
-        return data.synthetic_mnist()
-    return data.load_mnist("train", mnist_dir=job["mnist_dir"])
+        return mnist.synthetic_mnist()
+    return mnist.load_mnist("train", mnist_dir=job["mnist_dir"])
 
 
 def logical_cpus_for(devices: list[str]) -> int:
@@ -93,14 +93,14 @@ def _set_up_process(job: dict) -> None:
 def _build(reduce: str, job: dict):
     """A weighted trainer (even shares to start), with the job's slowdown."""
     from tfdp.devices import available_devices, parse_devices
-    from tfdp.trainers import build_trainer
-    from tfdp.training import partition
+    from tfdp.engine.modes import build_trainer
+    from tfdp.run.training import partition
 
     config = _config(MixedSpec("", (), reduce=reduce), job)
     devices = parse_devices(config.devices, available_devices())
     trainer = build_trainer(config, devices, partition(config, devices))
     if job.get("delays"):
-        trainer.set_delays(job["delays"])
+        trainer.balancer.probes.set_delays(job["delays"])
     return config, trainer
 
 
@@ -108,7 +108,7 @@ def calibrate(job: dict) -> dict:
     """The sleep per example that makes each slowed device `factor` times slower in a step
     at the even split (`balance.calibrate_slowdown`)."""
     from tfdp.balance import calibrate_slowdown
-    from tfdp.data import first_examples
+    from tfdp.data.arrays import first_examples
     from tfdp.devices import parse_slowdown
 
     _set_up_process(job)
@@ -116,7 +116,7 @@ def calibrate(job: dict) -> dict:
     slowdown = parse_slowdown(config.simulate_slowdown)
     batch = first_examples(load_arrays(job), config.batch_size)
     factors = [slowdown.get(d, 1.0) for d in trainer.split.devices]
-    return {"delays": calibrate_slowdown(trainer, batch, factors)}
+    return {"delays": calibrate_slowdown(trainer.balancer.probes, batch, factors)}
 
 
 def measure_round(job: dict) -> list[dict]:
@@ -147,19 +147,20 @@ def _powers(value):
 def measure(spec: MixedSpec, config, trainer, arrays, job: dict) -> dict:
     """From the initial weights and the spec's starting split: warm up, then time."""
     from tfdp.balance import Rebalancing, measure_powers, settle_under_load, whole_shares
-    from tfdp.data import first_examples, train_dataset
+    from tfdp.data.arrays import first_examples, train_dataset
     from tfdp.devices import split_batch
     from tfdp.models import initial_weights
-    from tfdp.observe import CpuAccounting
+    from tfdp.run.observe import CpuAccounting
 
     batch = config.batch_size
     probe_seconds, powers, alone_shards = 0.0, None, None
     if spec.powers == "auto":
         start = time.perf_counter()
-        powers = measure_powers(trainer, first_examples(arrays, batch // len(trainer.split.devices)))
+        probes = trainer.balancer.probes
+        powers = measure_powers(probes, first_examples(arrays, batch // len(trainer.split.devices)))
         alone_shards = whole_shares(batch, powers)
         trainer.split.set(alone_shards)
-        probe = settle_under_load(trainer, first_examples(arrays, batch), log=lambda line: None)
+        probe = settle_under_load(probes, first_examples(arrays, batch), log=lambda line: None)
         start_shards = list(trainer.split.shards)
         probe_seconds = time.perf_counter() - start
     else:
@@ -183,7 +184,7 @@ def measure(spec: MixedSpec, config, trainer, arrays, job: dict) -> dict:
     run(job["warmup"])  # also warms the kernels for these shard shapes
     trainer.model.set_weights(initial_weights(config.model, config.init, config.seed))
     trainer.split.set(start_shards)
-    rebalancing = Rebalancing(trainer, spec.rebalance_every, log=lambda line: None)
+    rebalancing = Rebalancing(trainer.balancer.probes, spec.rebalance_every, log=lambda line: None)
     if spec.powers == "auto":
         rebalancing.carry_over(probe)
     accounting = CpuAccounting()

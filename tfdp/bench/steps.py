@@ -79,7 +79,7 @@ def define_flags() -> None:
 def main(argv) -> None:
     import tensorflow as tf
 
-    from tfdp.data import load_mnist
+    from tfdp.data.mnist import load_mnist
 
     if FLAGS.variant == "inter_op1":
         tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -133,15 +133,15 @@ def measure(variant, arrays, iterations, warmup, profile_dir=None, top_kernels=1
     import keras
     import tensorflow as tf
 
-    from tfdp import shards
-    from tfdp.data import train_dataset
+    from tfdp.data.arrays import train_dataset
+    from tfdp.engine import shards
+    from tfdp.engine.steps import DeviceWork
     from tfdp.models import (
         build_model,
         channels_first_lenet,
         initial_weights,
         pool_first_lenet,
     )
-    from tfdp.steps import DeviceWork
 
     batch = 1024
     dataset = train_dataset(arrays, batch, 0)

@@ -61,7 +61,7 @@ def strategy_for(row: str):
     import tensorflow as tf
 
     import tfdp
-    from tfdp.strategy import next_collective_key_base
+    from tfdp.engine.strategy import next_collective_key_base
 
     devices = ["/cpu:0", "/cpu:1"]
     if row == "tf mirrored x2":

@@ -228,7 +228,7 @@ def step_clock(warmup: int, steps: int):
     machine, what the row had to share the cores with)."""
     import keras
 
-    from tfdp.observe import CpuAccounting
+    from tfdp.run.observe import CpuAccounting
 
     class StepClock(keras.callbacks.Callback):
         def __init__(self):
@@ -292,7 +292,7 @@ def train(spec: StreamSpec, devices: list[str], data, steps: int, clock, batch_s
 
     import tfdp
     from tfdp.devices import short_name
-    from tfdp.trainers.trainer import Trainer
+    from tfdp.engine.trainer import Trainer
 
     if spec.system == "keras":
         strategy = tf.distribute.MirroredStrategy(devices) if len(devices) > 1 else None
@@ -333,9 +333,9 @@ def measure(job: dict) -> dict:
 
 def measure_on(spec: StreamSpec, devices: list[str], job: dict) -> dict:
     """One row on `devices`: the timed steps, then its input alone."""
-    from tfdp import data as data_lib
     from tfdp import onednn
     from tfdp.config import Config
+    from tfdp.data import arrays as data_lib
     from tfdp.devices import short_name
 
     batch, warmup, steps = job["batch_size"], job["warmup"], job["iterations"]

@@ -36,7 +36,7 @@ from tfdp import onednn  # noqa: E402
 onednn.enable_by_default()  # an entry point: before TensorFlow is imported
 from tfdp.bench.flops import FORWARD_FLOPS, TRAIN_FLOPS  # noqa: E402
 from tfdp.bench.spec import Spec, device_names  # noqa: E402
-from tfdp.observe import CpuAccounting  # noqa: E402
+from tfdp.run.observe import CpuAccounting  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -175,9 +175,9 @@ def switch_configurations(counts) -> list[Spec]:
 
 
 def load_arrays(synthetic: bool, mnist_dir: str | None):
-    from tfdp import data
+    from tfdp.data import mnist
 
-    return data.synthetic_mnist() if synthetic else data.load_mnist("train", mnist_dir=mnist_dir)
+    return mnist.synthetic_mnist() if synthetic else mnist.load_mnist("train", mnist_dir=mnist_dir)
 
 
 def measure_matmul(n: int = 2048, repeats: int = 10) -> dict:
@@ -215,8 +215,8 @@ def spec_devices(spec: Spec, job: dict) -> list[str]:
 def measure_tfdp(spec: Spec, job: dict) -> dict:
     from tfdp import Config
     from tfdp.devices import AUTO, default_intra_op_threads, set_intra_op_threads, short_name
-    from tfdp.trainers import build_trainer
-    from tfdp.training import partition
+    from tfdp.engine.modes import build_trainer
+    from tfdp.run.training import partition
 
     devices = spec_devices(spec, job)
     config = Config(
@@ -236,11 +236,11 @@ def measure_tfdp(spec: Spec, job: dict) -> dict:
     probe_seconds = 0.0
     if spec.powers == AUTO:  # each device alone, then all at once, as `tfdp` does first
         start = time.perf_counter()
-        trainer.Balancer(trainer).set_up(config, arrays, log=lambda line: None)
+        trainer.balancer.set_up(config, arrays, log=lambda line: None)
         probe_seconds = time.perf_counter() - start
     return {
         **time_tutorial_run(trainer, config, arrays, job),
-        "chains": trainer.result_info()["chains"],
+        "chains": trainer.info()["chains"],
         "device_list": [short_name(d) for d in devices],
         "probe_seconds": probe_seconds,
     }
@@ -250,7 +250,7 @@ def user_function(job: dict):
     """The function that makes the job's model (None: the built-in LeNet)."""
     if job.get("model", "lenet") == "lenet":
         return None
-    from tfdp import sources
+    from tfdp.data import sources
 
     return sources.load_function(job["model"], "model")
 
@@ -260,11 +260,12 @@ def user_model(job: dict, arrays):
     make = user_function(job)
     if make is None:
         return None
-    from tfdp import models, replicas
-    from tfdp.data import first_examples
+    from tfdp import models
+    from tfdp.data.arrays import first_examples
+    from tfdp.engine import placement
 
     model = models.the_model(make)
-    replicas.build(model, first_examples(arrays, 2))
+    placement.build(model, first_examples(arrays, 2))
     return model
 
 
@@ -272,14 +273,14 @@ def measure_multiworker(spec: Spec, job: dict) -> dict:
     """This worker's timing of the cluster's run; TF_CONFIG names the cluster.
 
     A slowdown or rebalancing is set up as `training.run` sets it up (the
-    trainer's `Balancer`), and the bench drives the
+    trainer's `balancer`), and the bench drives the
     rebalancing per step as its loop does."""
     from tfdp import Config
-    from tfdp.cluster import read_cluster
-    from tfdp.cluster_strategy import join_cluster
+    from tfdp.cluster.spec import read_cluster
     from tfdp.devices import parse_slowdown, reserve_sleeping_threads, set_intra_op_threads
-    from tfdp.trainers import build_trainer
-    from tfdp.training import partition
+    from tfdp.engine.cluster_strategy import join_cluster
+    from tfdp.engine.modes import build_trainer
+    from tfdp.run.training import partition
 
     config = Config(
         mode="multiworker",
@@ -298,10 +299,9 @@ def measure_multiworker(spec: Spec, job: dict) -> dict:
     arrays = load_arrays(job["synthetic"], job["mnist_dir"])
     trainer = build_trainer(config, workers, shards, user_model(job, arrays))
     start = time.perf_counter()
-    split = trainer.Balancer(trainer)
-    info, probe = split.set_up(config, arrays, log=lambda line: None)
+    info, probe = trainer.balancer.set_up(config, arrays, log=lambda line: None)
     probe_seconds = time.perf_counter() - start
-    rebalancing = split.rebalancing(config.rebalance_every, lambda line: None, probe)
+    rebalancing = trainer.balancer.rebalancing(config.rebalance_every, lambda line: None, probe)
     return {
         **time_tutorial_run(trainer, config, arrays, job, rebalancing),
         "probe_seconds": probe_seconds,
@@ -321,8 +321,8 @@ def time_tutorial_run(trainer, config, arrays, job: dict, rebalancing=None) -> d
     iterations: the clock starts at the split rebalancing settled on, and
     rebalancing goes on during the timed run.
     """
-    from tfdp.data import train_dataset
-    from tfdp.hooks.report import floats
+    from tfdp.data.arrays import train_dataset
+    from tfdp.run.hooks.report import floats
 
     shards = list(trainer.split.shards)
     initial = trainer.model.get_weights()
@@ -375,7 +375,7 @@ def measure_keras(spec: Spec, job: dict) -> dict:
     import keras
     import tensorflow as tf
 
-    from tfdp.data import train_dataset
+    from tfdp.data.arrays import train_dataset
     from tfdp.devices import short_name
     from tfdp.models import build_model, initial_weights
 
@@ -499,7 +499,7 @@ def measure_in_subprocess(spec, job: dict) -> dict:
 
 def measure_in_cluster(spec: Spec, command: list[str]) -> dict:
     """Runs `command` once per worker of a loopback cluster; returns the chief's measurement."""
-    from tfdp.launch import free_ports, tf_configs
+    from tfdp.cluster.launch import free_ports, tf_configs
 
     workers = [
         subprocess.Popen(
@@ -786,7 +786,7 @@ def main(argv) -> None:
     if FLAGS.plot:
         check_plotting()  # before minutes of measuring
     if FLAGS.model != "lenet" and not FLAGS.worker:
-        from tfdp import sources
+        from tfdp.data import sources
         from tfdp.errors import ConfigError
 
         try:

@@ -1,0 +1,67 @@
+"""How each global batch is split: one object, `Split`, the shares the step cuts by,
+what balancing sets (balance/balancers.py) and what a checkpoint saves.
+
+It imports no TensorFlow until its variable is first used, so the balancing's
+arithmetic and its tests run without it.
+"""
+
+from __future__ import annotations
+
+
+class Split:
+    """The split of every global batch over `devices`.
+
+    Attributes:
+      devices: what the batch is split over (device names, or worker names).
+      shards: examples of a full global batch on each, in order.
+      global_batch_size: their sum.
+      sizes: `shards` in a tf.Variable on the host, which the step reads: a re-split is
+        one assign, with no new tracing.
+      balanced: the split is the run's own (mode weighted, a measured cluster split): it
+        may be measured and rebalanced, and a checkpoint saves it (`saved`).
+      fixed: a strategy cuts the batches itself (mirrored's `input="dataset"`): the
+        split cannot be set.
+      unit: what the devices are ("device(s)", "worker(s)"), for the banner.
+    """
+
+    def __init__(self, devices, shards, balanced=False, fixed=False, unit="device(s)"):
+        self.devices = list(devices)
+        self.shards = list(shards)
+        self.global_batch_size = sum(shards)
+        self.balanced = balanced
+        self.fixed = fixed
+        self.unit = unit
+        self._sizes = None
+
+    @property
+    def sizes(self):
+        """The variable the step cuts by (made on first use: the balancing's arithmetic
+        runs without TensorFlow)."""
+        if self._sizes is None:
+            import tensorflow as tf
+
+            with tf.init_scope(), tf.device("/cpu:0"):  # the batch is cut on the host
+                self._sizes = tf.Variable(self.shards, dtype=tf.int32, trainable=False)
+        return self._sizes
+
+    def set(self, shards) -> None:
+        """Splits the following batches as `shards` (the same global batch)."""
+        if self.fixed:
+            raise ValueError("the split cannot be set: the strategy cuts the batches itself")
+        if sum(shards) != self.global_batch_size or len(shards) != len(self.devices):
+            raise ValueError(f"shards {shards} do not split {self.global_batch_size} examples")
+        self.shards = list(shards)
+        if self._sizes is not None:
+            self._sizes.assign(shards)
+
+    def saved(self, step: int) -> dict | None:
+        """What a checkpoint of `step` saves of the split: the run's own split, None for
+        one fixed by the mode (any split makes the same update)."""
+        if not self.balanced:
+            return None
+        return {"step": step, "devices": self.devices, "shards": self.shards}
+
+    def takes(self, saved: dict) -> bool:
+        """Whether a split a checkpoint saved (`saved`) applies here: the same devices and
+        global batch."""
+        return saved["devices"] == self.devices and sum(saved["shards"]) == self.global_batch_size

@@ -1,0 +1,273 @@
+"""What every mode does on one device: the model's own steps on its shard of the batch.
+
+`DeviceWork` runs `model.train_step` on a device's shard, cut into side-by-side
+pieces (chains), each weighed by its examples (shards.py), and returns the
+gradients the pieces handed over, summed, for the mode to reduce and apply;
+`test` runs `model.test_step` likewise. The cutting of a global batch into
+shards (`split`, `shard_sizes_for`) is here too, so that every mode cuts alike.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfdp.data.leaves import first, rows
+from tfdp.engine import clock
+from tfdp.engine import shards as shards_lib
+from tfdp.engine.shards import add_gradients
+
+
+def num_examples(batch) -> tf.Tensor:
+    """The examples in a batch: the length of its first leaf (dense, sparse or ragged; not
+    an optional input given None)."""
+    leaf = first(batch)
+    if isinstance(leaf, tf.SparseTensor):
+        return tf.cast(leaf.dense_shape[0], tf.int32)
+    if isinstance(leaf, tf.RaggedTensor):
+        return tf.cast(leaf.nrows(), tf.int32)
+    return tf.shape(leaf)[0]
+
+
+def zeros_like_gradient(gradient, variable):
+    """What an empty piece adds to `variable`'s gradient, like `gradient`: nothing (no rows,
+    for a sparse one). Made from shapes alone, so that it may stand in another branch."""
+    shape = tf.TensorShape(variable.shape)
+    if isinstance(gradient, tf.IndexedSlices):
+        values = tf.zeros([0, *shape[1:]], gradient.values.dtype)
+        indices = tf.zeros([0], gradient.indices.dtype)
+        dense = None
+        if gradient.dense_shape is not None:
+            dense = tf.constant(shape.as_list(), gradient.dense_shape.dtype)
+        return tf.IndexedSlices(values, indices, dense)
+    return tf.zeros(shape, gradient.dtype)
+
+
+def _zeros_like(tensor):
+    """Zeros of a tensor's shape and dtype, from its static shape where it is known (so that
+    they may stand in another branch of a tf.cond)."""
+    if tensor.shape.is_fully_defined():
+        return tf.zeros(tensor.shape, tensor.dtype)
+    return tf.zeros_like(tensor)
+
+
+def _identity(structure):
+    """tf.identity of every tensor of a structure (the parts of sparse and ragged ones too)."""
+    return tf.nest.map_structure(tf.identity, structure, expand_composites=True)
+
+
+class DeviceWork:
+    """One device's part of a step: the model's train_step (or test_step) on its shard.
+
+    Args:
+      model: the Keras model (any kind); its steps run as the model defines them.
+      chains: pieces each shard is cut into, run side by side: a CPU device keeps
+        several cores busy with one-threaded kernels (`devices.default_chains`).
+        The pieces' gradients add up to the shard's (shards.py), for models without
+        batch statistics (tfdp picks 1 chain for those).
+      jit_compile: each piece's forward and backward pass is one XLA program.
+      timed: read the host clock when the shard is there and when its gradients are
+        ready (`seconds`); False leaves the clock out.
+      may_be_empty: a shard may hold no examples (a batch smaller than the devices):
+        its pieces are then skipped (a kernel such as oneDNN's max-pooling gradient
+        does not take an empty batch).
+    """
+
+    def __init__(self, model, chains=1, jit_compile=False, timed=False, may_be_empty=False):
+        self.model = model
+        self.chains = chains
+        self.jit_compile = jit_compile
+        self.timed = timed
+        self.may_be_empty = may_be_empty
+        self.variables = None  # of the gradients, in order (known once traced)
+        self.gradients_like = None  # a piece's gradients, once one has run (their kinds)
+        self.notes = []  # how the model's own train_step was run, where not as Keras' (shards.py)
+        run = self._train_piece
+        test = shards_lib.test_piece
+        if jit_compile:
+            run = tf.function(run, jit_compile=True, autograph=False)
+            test = tf.function(test, jit_compile=True, autograph=False)
+        self._run, self._test = run, test
+
+    @property
+    def guarded(self) -> bool:
+        """Whether a piece may hold no examples on some step: a shard cut into chains (an
+        epoch's last batch may be smaller than the pieces), or a device that may get none."""
+        return self.may_be_empty or self.chains > 1
+
+    def full(self, shard_sizes):
+        """Whether every piece of shards of `shard_sizes` holds examples this step."""
+        return tf.reduce_min(shard_sizes) >= self.chains
+
+    def train_either(self, shard, examples, delay_per_example=None):
+        """`train`, with its pieces guarded against holding no examples only on a step where
+        one may: a guard is a conditional of the whole piece, and the model's metric
+        updates inside it would make the piece wait for every piece traced before it
+        (a tf.function runs the stateful ops on one variable in program order), where
+        unguarded pieces run side by side."""
+        if not self.guarded or tf.executing_eagerly():
+            return self.train(shard, examples, delay_per_example)
+        return tf.cond(
+            self.full(tf.reshape(num_examples(shard), [1])),
+            lambda: self.train(shard, examples, delay_per_example, guard=False),
+            lambda: self.train(shard, examples, delay_per_example),
+        )
+
+    def train(self, shard, examples, delay_per_example=None, guard=True):
+        """The model's train_step on `shard` of a global batch of `examples`, without the
+        update: (its logs, its summed gradients (one per `self.variables`), whether it
+        held examples, its seconds). `guard=False`: every piece holds examples (`full`)."""
+        n = num_examples(shard)
+        start = None
+        if self.timed or delay_per_example is not None:
+            start = clock.read_after(tf.nest.flatten(shard, expand_composites=True)[0])
+            with tf.control_dependencies([start]):  # the work starts after the clock is read
+                shard = _identity(shard)
+        parts = cut(shard, self.chains) if self.chains > 1 else [shard]
+        logs, gradients = None, None
+        for index, part in enumerate(parts):
+            guarded = guard and (self.may_be_empty or index > 0)  # later pieces of a small shard
+            part_logs, part_gradients = self._piece(part, examples, guarded)
+            if logs is None:
+                logs, gradients = part_logs, part_gradients
+                continue
+            size = num_examples(part)
+            logs = tf.nest.map_structure(
+                lambda new, old: tf.where(size > 0, new, old), part_logs, logs
+            )
+            gradients = [add_gradients(g, p) for g, p in zip(gradients, part_gradients)]
+        seconds = tf.constant(0.0, tf.float64)
+        if start is not None:
+            end = clock.read_after(*tf.nest.flatten(gradients, expand_composites=True) or [n])
+            if delay_per_example is not None:
+                end = clock.sleep_then_read(end, tf.cast(n, tf.float64) * delay_per_example)
+            with tf.control_dependencies([end]):
+                gradients = _identity(gradients)  # released once the clock is read
+            seconds = end - start
+        return logs, gradients, n > 0, seconds
+
+    def _piece(self, part, examples, guarded):
+        fraction = tf.cast(num_examples(part), tf.float32) / tf.cast(examples, tf.float32)
+        if not guarded:
+            return self._run(part, fraction)
+        traced = {}
+
+        def run():
+            logs, gradients = self._run(part, fraction)
+            traced.update(logs=logs, gradients=gradients)
+            self.gradients_like = gradients
+            return logs, gradients
+
+        def nothing():  # traced after `run` (tf.cond traces the true branch first)
+            like = traced.get("logs", self.logs_like)
+            zeros = tf.nest.map_structure(_zeros_like, like)
+            gradients = traced.get("gradients", self.gradients_like)
+            if gradients is None:  # eager, and no piece has run yet
+                return zeros, [tf.zeros_like(v) for v in self.model.trainable_variables]
+            return zeros, [zeros_like_gradient(g, v) for g, v in zip(gradients, self.variables)]
+
+        if tf.executing_eagerly():  # run_eagerly: only the branch taken runs
+            return run() if bool(num_examples(part) > 0) else nothing()
+        return tf.cond(num_examples(part) > 0, run, nothing)
+
+    @property
+    def logs_like(self):
+        """What a piece's logs look like, before one has run: the model's metrics."""
+        return _tensors(self.model.get_metrics_result())
+
+    def _train_piece(self, part, fraction):
+        logs, handed, note = shards_lib.train_piece(self.model, part, fraction)
+        if note and note not in self.notes:
+            self.notes.append(note)
+        pairs = handed.pairs()
+        variables = [v for _, v in pairs]
+        if self.variables is None:
+            self.variables = variables
+        elif [id(v) for v in variables] != [id(v) for v in self.variables]:
+            raise ValueError("the model's train_step handed over other variables on another piece")
+        logs = tf.nest.map_structure(tf.convert_to_tensor, logs)
+        return logs, [g for g, _ in pairs]
+
+    def test(self, shard, examples):
+        """The model's test_step on `shard` of a batch of `examples`: its logs (zeros for a
+        shard without examples, which the caller leaves out). Evaluation batches may be
+        smaller than the devices, so a shard may always be empty."""
+        fraction = tf.cast(num_examples(shard), tf.float32) / tf.cast(examples, tf.float32)
+        traced = {}
+
+        def run():
+            traced["logs"] = _tensors(self._test(self.model, shard, fraction))
+            return traced["logs"]
+
+        def nothing():
+            return tf.nest.map_structure(_zeros_like, traced.get("logs", self.logs_like))
+
+        if tf.executing_eagerly():
+            return run() if bool(num_examples(shard) > 0) else nothing()
+        return tf.cond(num_examples(shard) > 0, run, nothing)
+
+
+def _tensors(logs):
+    return tf.nest.map_structure(tf.convert_to_tensor, logs)
+
+
+def with_metrics(model, logs):
+    """`logs` with each entry that is one of the model's metrics read from the metric
+    itself (in a strategy's cross-replica context: summed over the replicas), as Keras'
+    fit reads them at an epoch's end."""
+    if not isinstance(logs, dict):
+        return logs
+    results = model.get_metrics_result()
+    return {name: results.get(name, value) for name, value in logs.items()}
+
+
+def cut(batch, parts):
+    """A nested batch cut along its first axis into `parts` near-equal pieces (sizes known at
+    run time): a list of `parts` batches of the same structure."""
+    n = num_examples(batch)
+    sizes = n // parts + tf.cast(tf.range(parts) < n % parts, tf.int32)
+    return split(batch, sizes, parts)
+
+
+def partial_shards(examples, shards):
+    """The split of a partial batch of `examples` (a scalar tensor) over devices whose
+    full-batch shares are `shards` (a vector): one example each first, when there are
+    enough, then the rest in proportion to `shards`, largest remainder first (ties to
+    the earlier device), as `devices.split_batch` does."""
+    shards = tf.cast(shards, tf.int64)
+    n = tf.cast(examples, tf.int64)
+    devices = tf.size(shards, out_type=tf.int64)
+    ones = tf.cast(n >= devices, tf.int64)
+    rest = n - ones * devices
+    total = tf.reduce_sum(shards)
+    base = rest * shards // total
+    remainders = rest * shards - base * total
+    missing = rest - tf.reduce_sum(base)
+    order = tf.argsort(-remainders, stable=True)
+    extra = tf.scatter_nd(
+        tf.expand_dims(order[:missing], 1), tf.ones([missing], tf.int64), [devices]
+    )
+    return tf.cast(base + extra + ones, tf.int32)
+
+
+def shard_sizes_for(examples, global_batch_size, shards):
+    """`shards` for a full global batch, `partial_shards` for the last, partial one."""
+    return tf.cond(
+        tf.equal(examples, global_batch_size),
+        lambda: tf.convert_to_tensor(shards, tf.int32),
+        lambda: partial_shards(examples, shards),
+    )
+
+
+def split(batch, sizes, parts):
+    """A nested batch cut along its first axis into pieces of `sizes`: a list of batches.
+    Sparse and ragged leaves are cut by their rows."""
+    leaves = tf.nest.flatten(batch)
+    if all(isinstance(leaf, tf.Tensor) for leaf in leaves):
+        pieces = [tf.split(leaf, sizes, num=parts) for leaf in leaves]
+    elif all(leaf is None or isinstance(leaf, tf.Tensor) for leaf in leaves):
+        pieces = [[None] * parts if leaf is None else tf.split(leaf, sizes, num=parts) for leaf in leaves]
+    else:
+        sizes = tf.convert_to_tensor(sizes)
+        starts = tf.concat([[0], tf.cumsum(sizes)[:-1]], 0)
+        pieces = [[rows(leaf, starts[j], sizes[j]) for j in range(parts)] for leaf in leaves]
+    return [tf.nest.pack_sequence_as(batch, [piece[j] for piece in pieces]) for j in range(parts)]

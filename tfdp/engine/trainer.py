@@ -1,0 +1,397 @@
+"""The trainer of every mode: the model's own step under the mode's strategy.
+
+The model's variables are made again in the scope of a `tfdp.MirroredStrategy`
+(`placement.Placement`) whose replicas take the run's shares of each global batch:
+one replica in mode single, even shares in mirrored, the run's in weighted (in
+multiworker, a `tfdp.MultiWorkerMirroredStrategy`: `multiworker.py`). A step is
+Keras' own: `strategy.run(model.train_step)` on each replica's piece. The strategy
+weighs each piece's loss by its share, sums the gradients (all-reduce, or on device
+0 and back: the tutorial's reduction) in the model's optimizer, combines moving
+statistics by share, and reads the logs as the whole batch gives them; what the
+model's step does with `training=False`, its own trackers or its optimizer is what
+Keras does with it.
+
+Each global batch is cut on the host (the run's split, `shard_sizes_for`), so its
+input position can be saved. The loop (`training.run`) calls only what this class
+declares; it never asks which mode it runs.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfdp.cluster.exchange import LOCAL
+from tfdp.engine import shards as shards_lib
+from tfdp.engine.placement import Placement, kept
+from tfdp.balance.balancers import DeviceBalancer
+from tfdp.engine.split import Split
+from tfdp.engine.steps import DeviceWork, num_examples, shard_sizes_for, split, with_metrics
+
+
+class Trainer:
+    """Synchronous replicas of one Keras model, each running the model's own step on its
+    piece of every global batch.
+
+    What the rest of tfdp uses of it, and nothing else:
+      the step: `distribute` (the iterator of a dataset of global batches), `train_step`,
+        `test_step`, `close`;
+      model: the model being trained (the user's own object, its variables placed for the
+        strategy while the trainer is open; its weights and optimizer are the run's);
+      split: how each global batch is split (`split.Split`: devices, shards, what a
+        checkpoint saves);
+      balancer: what measures and sets the split (balance/balancers.py), through the
+        trainer's `Probes`;
+      exchange: what this process tells the others of its run, and whether it writes the
+        run's files (cluster/exchange.py);
+      what it says: `info` (the banner's and the result's entries), `notes` (how the
+        model's step ran, once traced).
+    """
+
+    unit = "device(s)"  # what the split's devices are, for the banner
+    exchange = LOCAL
+    _marked = False  # each element is (batch, whether its pass has ended) (`distribute`)
+
+    def __init__(
+        self,
+        model,
+        strategy,
+        devices,
+        shards,
+        input="split",
+        balanced=False,
+        slowdown=False,
+        timed=True,
+        jit_compile=False,
+        chains=1,
+    ):
+        """
+        Args:
+          model: a compiled, built Keras model (any kind): it is trained in place, its
+            variables mirrored over the strategy's replicas while the trainer is open.
+          strategy: tfdp's strategy of the mode (`modes.local_strategy`, or a
+            `tfdp.MultiWorkerMirroredStrategy`); None: no strategy, the model's step on
+            the one device of `devices` as Keras runs it (mode single, untimed).
+          devices: what the batch is split over: the devices of one machine, one replica
+            each, or the workers of a cluster.
+          shards: examples of a full global batch on each of `devices`.
+          input: "split": each global batch is cut on the host by `shards`; "dataset": the
+            strategy cuts a dataset of global batches itself (its iterator cannot be saved).
+          balanced: the split is the run's own (mode weighted): it may be measured,
+            rebalanced and saved with a checkpoint.
+          slowdown: build the simulated slowdown in (seconds set by `set_delays`).
+          timed: read each replica's seconds in every step (auto powers, rebalancing).
+          jit_compile: the model asks for XLA; the step is compiled with it where the
+            strategy can (one replica, or GPUs only: one XLA program cannot span CPU devices).
+          chains: with one replica, side-by-side pieces its batch is cut into
+            (`steps.DeviceWork`: a CPU device keeps several cores busy with one-threaded
+            kernels); 1: the model's train_step as it is.
+        """
+        self.split = Split(devices, shards, balanced=balanced, fixed=input != "split", unit=self.unit)
+        self.split.sizes  # noqa: B018 (the variable, before any step is traced)
+        self.timed = timed or slowdown
+        self._input = input
+        self.strategy = strategy
+        self._device = None if strategy is not None else self.split.devices[0]
+        if strategy is None and (self.timed or len(self.split.devices) > 1):
+            raise ValueError("a timed step, or several devices, need a strategy")
+        if strategy is not None:
+            strategy.warn_notes = False  # the run says them (`notes`)
+        if self.timed:
+            replicas = strategy.num_replicas_in_sync
+            strategy.report_seconds([0.0] * replicas if slowdown else None)
+        self.model = model
+        self._placement = Placement(model, strategy=strategy, device=self._device)
+        self._placement.enter()
+        self.chains = chains
+        if chains > 1 and len(self.split.devices) > 1:
+            raise ValueError(f"chains={chains} needs one device")
+        self.jit_compile = bool(jit_compile and (strategy is None or strategy.compiles_with_xla))
+        self._notes = []
+        if jit_compile and not self.jit_compile:
+            self._notes.append(
+                "jit_compile: the step runs without XLA: one XLA program cannot span the "
+                f"devices {', '.join(strategy.extended.worker_devices)} and their all-reduce"
+            )
+        # chains: the batch cut into pieces whose gradients are summed and applied once
+        self._work = DeviceWork(model, chains, self.jit_compile, False) if chains > 1 else None
+        self._replicas_train, self._replicas_test = self._train_replicas, self._test_replicas
+        if self.jit_compile and not model.run_eagerly:  # each step one XLA program, as in Keras
+            if chains == 1:
+                self._replicas_train = tf.function(self._train_replicas, jit_compile=True, autograph=False)
+            self._replicas_test = tf.function(self._test_replicas, jit_compile=True, autograph=False)
+        self._compile()
+        self.balancer = DeviceBalancer(Probes(self))  # measures and sets the split
+
+    def notes(self) -> list[str]:
+        """How the model's own train_step is run, where not as Keras runs it (once traced)."""
+        work = [] if self._work is None else self._work.notes
+        return [*self._notes, *work, *getattr(self.strategy, "notes", [])]
+
+    # --- the data
+
+    def distribute(self, dataset, gather=None, marked=False):
+        """The iterator `train_step` reads, from a dataset of global batches: a tf.data
+        iterator on the host, whose position a checkpoint can save, unless the strategy
+        cuts the batches itself (`split.fixed`: tf.distribute's iterator).
+
+        gather: the dataset holds batches of example indices into arrays, and `gather`
+          makes their batch (indices -> examples). A trainer that reads a whole global
+          batch gathers it here; multiworker gathers only its worker's slice.
+        marked: each element is (batch, whether its pass has ended) (`Stream.marked`).
+        """
+        from tfdp.data.arrays import prefetched
+
+        self._marked = marked
+        if gather is not None:
+            dataset = prefetched(dataset.map(gather))
+        if self._input == "split":
+            return iter(dataset)
+        return iter(self.strategy.experimental_distribute_dataset(dataset))
+
+    # --- the step: Keras' own, on every replica's piece
+
+    def _compile(self) -> None:
+        """Makes the compiled step functions, as the model asks: eager with `run_eagerly`,
+        else one tf.function per kind of call (autograph off, as Keras traces a step)."""
+        if self.model.run_eagerly:
+            wrap = _eager
+        else:
+            wrap = lambda f: tf.function(f, autograph=False, reduce_retracing=True)  # noqa: E731
+        self._train_step = wrap(self._one_step)
+        self._train_steps = wrap(self._steps)
+        self._test_step = wrap(self._test)
+
+    def train_step(self, iterator, steps: int = 1) -> dict | None:
+        """Up to `steps` updates on the next global batches, in one compiled call (Keras'
+        `steps_per_execution`), fewer where the data ends. Returns tensors: `logs`, what
+        the model's train_step returned for the last of them (its metrics over the whole
+        batch, running since `model.reset_metrics()`), `device_seconds` of that step
+        (zeros where devices are not timed), and `steps`, how many ran; None when the
+        data had ended before the first."""
+        try:
+            if steps == 1:
+                return self._train_step(iterator)
+            return self._train_steps(iterator, tf.constant(steps))
+        except (tf.errors.OutOfRangeError, StopIteration):  # (StopIteration: run eagerly)
+            return None
+
+    def test_step(self, batch) -> dict:
+        """The model's test_step on an evaluation batch, split over the devices as a
+        training batch is: its logs, the metrics over every batch since
+        `model.reset_metrics()`."""
+        return self._test_step(batch)
+
+    def _step(self, batch):
+        logs = self._replicas_train(self._pieces(batch))
+        return {"logs": logs, "device_seconds": self._seconds()}
+
+    def _seconds(self):
+        """Each device's seconds in the step just run (zeros where not timed)."""
+        if not self.timed:
+            return tf.zeros([len(self.split.devices)], tf.float64)
+        return self.strategy.last_seconds
+
+    def _train_replicas(self, pieces):
+        step = self.model.train_step if self._work is None else self._chained_step
+        return self._run(step, pieces)
+
+    def _run(self, fn, pieces):
+        """`fn` on every replica's piece, in the strategy; its values as a replica's (each
+        holds the whole batch's: the strategy reads them so). Without a strategy, `fn` on
+        the device, as Keras runs the model's step."""
+        if self.strategy is None:
+            with tf.device(self._device):
+                return fn(pieces)
+        per_replica = self.strategy.run(fn, args=(pieces,))
+        return tf.nest.map_structure(
+            lambda value: self.strategy.experimental_local_results(value)[0], per_replica
+        )
+
+    def _chained_step(self, batch):
+        """The model's train_step on side-by-side pieces of `batch`, their gradients summed
+        and applied once with the model's optimizer."""
+        with shards_lib.handing_over(self.model):
+            logs, gradients, _, _ = self._work.train_either(batch, num_examples(batch))
+        if gradients:  # (a model without trainable weights has nothing to update)
+            self.model.optimizer.apply_gradients(zip(gradients, self._work.variables))
+        return with_metrics(self.model, logs)
+
+    def _test(self, batch):
+        return self._replicas_test(self._pieces(batch))
+
+    def _test_replicas(self, pieces):
+        return self._run(self.model.test_step, pieces)
+
+    def _pieces(self, batch):
+        """A global batch on the host -> one piece per replica, of the run's split."""
+        if self._input != "split":
+            return batch  # the strategy's iterator cut it
+        examples = num_examples(batch)  # the global batch, or an epoch's partial last one
+        sizes = shard_sizes_for(examples, self.split.global_batch_size, self.split.sizes)
+        return self._split(batch, sizes)
+
+    def _split(self, batch, sizes):
+        pieces = split(batch, sizes, len(self.split.devices))
+        if self.strategy is None:
+            return pieces[0]  # (its batch size unknown to the trace, as in Keras' fit)
+        return self.strategy.experimental_distribute_values_from_function(
+            lambda context: pieces[context.replica_id_in_sync_group]
+        )
+
+    def _one_step(self, iterator):
+        return self._step_on(next(iterator))
+
+    def _step_on(self, element):
+        """One step on an element of the stream: its outputs, with `steps` 1, or 0 for a
+        marker of a pass's end, which is not trained on."""
+        if not self._marked:
+            return {**self._step(element), "steps": tf.constant(1)}
+        batch, ended = element
+        if tf.executing_eagerly():  # run_eagerly: the marker read, nothing to train
+            if bool(ended):
+                return {"steps": tf.constant(0)}
+            return {**self._step(batch), "steps": tf.constant(1)}
+        traced = {}
+
+        def train():
+            traced.update(self._step(batch))
+            return {**traced, "steps": tf.constant(1)}
+
+        def skip():  # traced after `train` (tf.cond traces its true branch first)
+            return {**tf.nest.map_structure(tf.zeros_like, traced), "steps": tf.constant(0)}
+
+        return tf.cond(tf.logical_not(ended), train, skip)
+
+    def _steps(self, iterator, steps):
+        """Up to `steps` steps, as Keras runs `steps_per_execution`: each next batch read
+        only while another step is due, and none read past the data's end (or its pass's
+        end, in a marked stream)."""
+        outputs = self._step_on(next(iterator))
+        if self.model.run_eagerly:
+            done = int(outputs["steps"])
+            while done and done < int(steps):
+                upcoming = iterator.get_next_as_optional()
+                if not upcoming.has_value():
+                    break
+                more = self._step_on(upcoming.get_value())
+                if not int(more["steps"]):
+                    break
+                outputs, done = more, done + 1
+            return {**outputs, "steps": tf.constant(done)}
+
+        def more(done, ended, outputs, upcoming):
+            return tf.logical_and(
+                tf.logical_and(done < steps, tf.logical_not(ended)), upcoming.has_value()
+            )
+
+        def read_on(done, ended, upcoming):
+            """The next element, read only if another step is due."""
+            return tf.cond(
+                tf.logical_and(done < steps, tf.logical_not(ended)),
+                iterator.get_next_as_optional,
+                lambda: upcoming,
+            )
+
+        def step(done, ended, outputs, upcoming):
+            new = self._step_on(upcoming.get_value())
+            ran = new.pop("steps")
+            outputs = tf.nest.map_structure(  # a marker leaves the last step's outputs
+                lambda a, b: tf.where(ran > 0, a, b), new, outputs
+            )
+            done, ended = done + ran, tf.equal(ran, 0)
+            return done, ended, outputs, read_on(done, ended, upcoming)
+
+        first = dict(outputs)
+        done = first.pop("steps")
+        ended = tf.equal(done, 0)
+        nothing = tf.experimental.Optional.empty(iterator.element_spec)
+        start = (done, ended, first, read_on(done, ended, nothing))
+        done, _, outputs, _ = tf.while_loop(more, step, start)
+        return {**outputs, "steps": done}
+
+    def close(self) -> None:
+        """The model's variables back as the model had them, with the trained values."""
+        if self._placement is not None:
+            self._placement.exit()
+            self._placement = None
+
+    def info(self) -> dict:
+        """What the banner and the result say of this trainer: how the gradients are
+        reduced where the split is the run's own ("device0" or "allreduce"; None), chains,
+        jit_compile."""
+        reduction = None
+        if self.split.balanced:
+            reduction = getattr(self.strategy, "reduce_to", None) or "allreduce"
+        return {"reduction": reduction, "chains": self.chains, "jit_compile": self.jit_compile}
+
+
+class Probes:
+    """A trainer's probes: each device's seconds for the model's forward and backward pass
+    on its piece, without the update, and the simulated slowdown (`set_delays`). What a
+    balancer (balance/balancers.py) measures the devices with; `split` is the split they
+    time and the balancer sets; `timed`: each training step reads every device's seconds.
+    """
+
+    def __init__(self, trainer):
+        self._trainer = trainer
+        self.split, self.timed = trainer.split, trainer.timed
+        # the model's train_step on a piece, timed, its gradients not applied
+        self._work = DeviceWork(trainer.model, 1, False, True, may_be_empty=True)
+        self._alone = tf.function(self._seconds_alone, autograph=False)
+        self._together = tf.function(self._seconds_together, autograph=False)
+
+    def set_delays(self, delays) -> None:
+        """Simulated slowdown: seconds of sleep per example, per replica."""
+        if self._trainer.strategy is None:
+            raise ValueError("the trainer was made without a simulated slowdown")
+        self._trainer.strategy.set_sleep_per_example(delays)
+
+    def alone(self, batch, index: int) -> float:
+        """Device `index`'s seconds for its forward and backward pass on `batch`, the others
+        idle, without an update (the model's state as it was before)."""
+        with self.untouched():
+            return float(self._alone(batch, index))
+
+    def together(self, batch):
+        """Each device's seconds for forward and backward on its shard of the global
+        batch, all devices at once as in a step, without an update."""
+        with self.untouched():
+            return self._together(batch).numpy()
+
+    def untouched(self):
+        """Inside: what a probe step changes besides the weights (metrics, batch-norm
+        statistics, random seeds) is put back afterwards."""
+        model = self._trainer.model
+        return kept([*model.non_trainable_variables, *model.metrics_variables])
+
+    def _seconds_together(self, batch):
+        return self._timed(batch, tf.convert_to_tensor(self.split.sizes))
+
+    def _seconds_alone(self, batch, index):
+        # The other replicas get empty pieces: the same program, no work.
+        sizes = [0] * len(self.split.devices)
+        sizes[index] = num_examples(batch)
+        return self._timed(batch, tf.stack(sizes))[index]
+
+    def _delay(self):
+        sleep = getattr(self._trainer.strategy, "sleep_per_example", None)
+        if sleep is None:
+            return None
+        return tf.gather(sleep, tf.distribute.get_replica_context().replica_id_in_sync_group)
+
+    def _timed(self, batch, sizes):
+        """Each replica's seconds for its train_step on its piece, without the update."""
+        trainer, examples = self._trainer, num_examples(batch)
+
+        def seconds(piece):
+            return self._work.train(piece, examples, self._delay())[3]
+
+        with shards_lib.handing_over(trainer.model):
+            if trainer.strategy is None:
+                return tf.stack([trainer._run(seconds, trainer._split(batch, sizes))])
+            per_replica = trainer.strategy.run(seconds, args=(trainer._split(batch, sizes),))
+        return tf.stack(trainer.strategy.experimental_local_results(per_replica))
+
+
+def _eager(function):
+    return function

@@ -1,0 +1,409 @@
+"""A run planned before any work: devices, partition, data, model and epochs.
+
+`prepare` does everything that can fail on bad input (devices, partition, data
+files, the model against the data) before any training work, and writes
+nothing; it returns the `Plan` that `training.run` carries out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+
+from tfdp.config import AUTO, DATASETS, DEFAULT_BATCH_SIZE, DEFAULT_ITERATIONS, MODELS, Config
+from tfdp.data import arrays as data_lib
+from tfdp.data import mnist, sources, streams
+from tfdp.data.epochs import Schedule
+from tfdp.devices import (
+    available_devices,
+    even_split,
+    parse_devices,
+    parse_slowdown,
+    short_name,
+    split_batch,
+)
+from tfdp.engine import placement
+from tfdp.errors import ConfigError
+from tfdp.run.checkpoints import check_model_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A validated run: where each example of a global batch goes, the model, the data
+    and the epochs.
+
+    Attributes:
+      schedule: the run's epochs, by Keras' rule over the passes of the data
+        (`epochs.Schedule`).
+    """
+
+    config: Config
+    devices: list[str]
+    shards: list[int]
+    model: object  # the compiled, built Keras model, trained in place
+    model_name: str
+    train_data: object  # data_lib.Arrays, a nested structure of arrays, or a streams.Stream
+    test_data: object  # the same, or None: no evaluation
+    schedule: Schedule
+    batch_from: str | None = None  # where a batch size not given came from, for the banner
+
+    @property
+    def batches_per_pass(self) -> float | None:
+        """Batches of one pass over the training data (math.inf: endless; None: unknown)."""
+        return self.schedule.batches
+
+    @functools.cached_property
+    def total_steps(self) -> int | None:
+        """The run's steps (None: they depend on where the data's passes end)."""
+        return self.schedule.total_steps()
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        """An epoch's steps, as Keras' progress bar counts them (None: not known)."""
+        per_pass = self.batches_per_pass
+        if self.schedule.steps_per_epoch:
+            return self.schedule.steps_per_epoch
+        return per_pass if per_pass not in (None, math.inf) else None
+
+    @property
+    def initial_epoch(self) -> int:
+        return self.schedule.initial_epoch
+
+    @property
+    def final_epoch(self) -> int:
+        """The number of the epoch after the last (Keras fit's `epochs`)."""
+        if self.schedule.final_epoch is not None:
+            return self.schedule.final_epoch
+        per_epoch = self.steps_per_epoch or self.total_steps
+        return self.initial_epoch + -(-self.total_steps // per_epoch)
+
+    @property
+    def examples(self) -> int | None:
+        """Examples of a pass (None: a stream whose length is not known)."""
+        return data_lib.size(self.train_data)
+
+    @property
+    def smallest_batch(self) -> int:
+        """The fewest examples a global batch of the run holds (1: a stream's may be any)."""
+        if data_lib.is_stream(self.train_data):
+            return 1 if self.train_data.examples is None else self.last_batch
+        return min(self.config.batch_size, self.last_batch)
+
+    @property
+    def last_batch(self) -> int:
+        """Examples of a pass's last batch."""
+        if data_lib.is_stream(self.train_data):
+            return self.train_data.last_batch
+        batch, per_pass = self.config.batch_size, self.batches_per_pass
+        return min(self.examples - (per_pass - 1) * batch, batch)
+
+    def training_indices(self, start_step: int):
+        """Arrays: the example indices of the global batches of steps start_step, ..."""
+        config = self.config
+        return data_lib.train_indices(
+            self.train_data,
+            config.batch_size,
+            config.seed,
+            start_step,
+            config.drop_remainder,
+            config.shuffle,
+        )
+
+    def without_test_data(self) -> Plan:
+        return dataclasses.replace(self, test_data=None)
+
+    def logs(self, step: int) -> bool:
+        """Whether step `step` (counted from 0) is one `log_every` logs."""
+        every = self.config.log_every
+        return bool(every) and step % every == 0
+
+    def acts_after(self, step: int) -> bool:
+        """Whether tfdp's hooks act after step `step` (counted from 0): a logged step, a
+        checkpoint or an evaluation is due; such a step ends its compiled call."""
+        config, done = self.config, step + 1
+        return (
+            self.logs(step)
+            or bool(config.model_dir and done % config.checkpoint_every == 0)
+            or bool(config.eval_every and done % config.eval_every == 0)
+        )
+
+    def partial(self, step: int) -> bool:
+        """Whether step `step` reads a pass's last batch, with fewer examples."""
+        per_pass = self.batches_per_pass
+        if per_pass in (None, math.inf):
+            return False
+        return step % per_pass == per_pass - 1 and self.last_batch < self.config.batch_size
+
+    def examples_in(self, first: int, end: int) -> int:
+        """Examples in steps first..end-1: a step is a pass's last when the next is a
+        multiple of the batches per pass."""
+        batch, per_pass = self.config.batch_size, self.batches_per_pass
+        if per_pass in (None, math.inf):
+            return (end - first) * batch
+        last = self.last_batch
+        return (end - first) * batch - (end // per_pass - first // per_pass) * (batch - last)
+
+
+def default_devices(mode: str, available: list[str]) -> str:
+    """single: the first GPU, else the CPU. Other modes: all (see parse_devices): every GPU,
+    else every CPU, so that a GPU is device 0 wherever there is one."""
+    if mode == "single":
+        gpus = [d for d in available if ":GPU:" in d]
+        return short_name((gpus or available)[0])
+    return "all"
+
+
+def partition(config: Config, devices: list[str]) -> list[int]:
+    """Examples per device for the config's mode."""
+    n, batch = len(devices), config.batch_size
+    if config.mode == "single" and n != 1:
+        raise ConfigError("devices", config.devices, f"mode single runs on one device, got {n}")
+    if config.mode == "mirrored" and config.mirrored_input == "split":
+        return split_batch(batch, (1.0,) * n, few=True)
+    if config.mode == "mirrored":
+        return even_split(batch, n)
+    # auto powers start from an even split; the measurement replaces it (see balance.py).
+    powers = (1.0,) * n if config.powers in ((), AUTO) else config.powers
+    if len(powers) != n:
+        raise ConfigError(
+            "powers",
+            config.powers,
+            f"has {len(powers)} values for {n} devices "
+            f"({', '.join(short_name(d) for d in devices)})",
+        )
+    return split_batch(batch, powers, few=True)
+
+
+def check_balancing(config: Config, devices: list[str]) -> None:
+    """The balancing options against the run's devices."""
+    outside = [short_name(d) for d in parse_slowdown(config.simulate_slowdown) if d not in devices]
+    if outside:
+        raise ConfigError(
+            "simulate_slowdown",
+            config.simulate_slowdown,
+            f"names {', '.join(outside)}, which this run does not use "
+            f"({', '.join(short_name(d) for d in devices)})",
+        )
+    if config.rebalance_every and len(devices) < 2:
+        raise ConfigError(
+            "rebalance_every", config.rebalance_every, "needs at least two devices to balance"
+        )
+
+
+def multiworker_devices(config: Config) -> list[str]:
+    """The workers of the cluster stand for the devices: one batch share each."""
+    from tfdp.cluster.spec import find_cluster
+
+    if config.devices:
+        raise ConfigError(
+            "devices",
+            config.devices,
+            "mode multiworker uses each worker's own devices (its GPUs, else one CPU replica)",
+        )
+    return list(find_cluster(config).workers)
+
+
+def load_split(config: Config, split: str):
+    """One split of a built-in dataset, with errors reported against the setting that
+    chose the source."""
+    if config.dataset == "toy":
+        size = 10000 if split == "train" else 2000
+        return mnist.make_toy_data(config.seed, num_examples=size, split=split)
+    mnist_dir = config.mnist_dir or os.environ.get(mnist.MNIST_DIR_ENV) or None
+    if mnist_dir:
+        field = "mnist_dir" if config.mnist_dir else mnist.MNIST_DIR_ENV
+        try:
+            arrays = mnist.load_mnist_idx(mnist_dir, split)
+        except (OSError, ValueError) as error:
+            raise ConfigError(field, mnist_dir, str(error)) from error
+        if len(arrays) == 0:
+            needs = "evaluation" if split == "test" else "training"
+            raise ConfigError(
+                field, mnist_dir, f"its {split} split has no examples; {needs} needs at least one"
+            )
+        return arrays
+    try:
+        return mnist.load_mnist_tfds(split, config.data_dir)
+    except Exception as error:  # tensorflow-datasets raises many kinds on download or read
+        raise ConfigError(
+            "data_dir",
+            config.data_dir,
+            f"MNIST through tensorflow-datasets failed ({type(error).__name__}: {error}); "
+            f"offline, point --mnist_dir or {mnist.MNIST_DIR_ENV} at the four IDX files",
+        ) from error
+
+
+def load_data(config: Config):
+    """(train, test) of the config's dataset: a built-in one, or MODULE:FUNCTION's."""
+    if config.dataset in DATASETS:
+        return load_split(config, "train"), load_split(config, "test")
+    if sources.is_tfds(config.dataset):
+        train, test = sources.load_tfds(
+            config.dataset, config.data_dir, config.shuffle is not False, config.seed
+        )
+    else:
+        function = sources.load_function(config.dataset, "dataset")
+        returned = sources.call(function, config.dataset, "dataset")
+        if not (isinstance(returned, (tuple, list)) and len(returned) == 2):
+            raise ConfigError(
+                "dataset", config.dataset, "must return (train, validation); validation may be None"
+            )
+        train, test = returned
+    if streams.is_stream_input(train):  # read as a pipeline, batch by batch
+        batch_size = config.batch_size
+        if batch_size is None and not streams.makes_own_batches(train):
+            batch_size = DEFAULT_BATCH_SIZE
+        try:
+            train = streams.from_input(
+                train, batch_size, config.drop_remainder, config.shuffle, config.seed
+            )
+        except ConfigError as error:
+            if error.field != "x":
+                raise
+            raise ConfigError(
+                "dataset", config.dataset, f"train data, a {error.value}, {error.reason}"
+            ) from None
+    else:
+        train = sources.as_arrays(train, "dataset", config.dataset, "train")
+    return train, validation_of(test, config)
+
+
+def validation_of(test, config: Config):
+    """The test data of `--dataset` as tfdp reads it: a tf.data pipeline, PyDataset or
+    generator streamed, batch by batch, at each evaluation (`streams.EvalStream`); arrays
+    held."""
+    if not streams.is_stream_input(test):
+        return sources.as_arrays(test, "dataset", config.dataset, "validation")
+    try:
+        test = streams.eval_stream(test, "dataset")
+    except ConfigError as error:
+        raise ConfigError(
+            "dataset", config.dataset, f"validation data, a {error.value}, {error.reason}"
+        ) from None
+    if test.endless and config.eval_steps is None:
+        raise ConfigError(
+            "eval_steps",
+            None,
+            f"the validation data of {config.dataset}, a {test.source}, is infinite: give "
+            "eval_steps, the batches each evaluation reads",
+        )
+    return test
+
+
+def model_for(config: Config, model=None):
+    """The run's model: `model` (a compiled Keras model or a function returning one), else
+    the config's: a built-in name or MODULE:FUNCTION."""
+    from tfdp import models
+
+    if model is not None:
+        return models.the_model(model, precision=config.precision)
+    if config.model in MODELS:
+        return models.built_in(config)
+    function = sources.load_function(config.model, "model")
+    return models.the_model(function, "model", config.model, config.precision)
+
+
+def prepare(config: Config, model=None, train_data=None, validation_data=None) -> Plan:
+    """Validates the config against this machine, loads the data and builds the model
+    once on the host; writes nothing.
+
+    model, train_data, validation_data: a library caller's own (see `tfdp.fit`);
+    None: the config's (`model`, `dataset`).
+    """
+    check_model_dir(config)
+    if config.mode == "multiworker":
+        devices = multiworker_devices(config)
+    else:
+        available = available_devices()
+        devices = parse_devices(
+            config.devices or default_devices(config.mode, available), available
+        )
+    partition(with_batch_size(config, None), devices)  # bad powers fail before data is read
+    check_balancing(config, devices)
+    if config.mode == "multiworker":
+        from tfdp.engine.cluster_strategy import join_cluster
+
+        join_cluster(config)  # before any other TensorFlow op; waits for every worker
+    if train_data is None:
+        train_data, test_data = load_data(config)
+        field = "dataset"
+    else:
+        if not data_lib.is_stream(train_data):
+            train_data = sources.as_arrays(train_data, "x")
+        test_data = validation_data  # streamed or held, as `fitting.validation_of` made it
+        if not isinstance(test_data, streams.EvalStream):
+            test_data = sources.as_arrays(validation_data, "validation_data")
+        field = "x"
+    batch_from = None
+    if config.batch_size is None and data_lib.is_stream(train_data):
+        batch_from = f"the {train_data.source}'s batches"
+    config = with_batch_size(config, train_data)
+    check_model_dir(config)  # now with the batch size the data gave
+    shards = partition(config, devices)
+    examples = data_lib.size(train_data)
+    if examples is not None and config.drop_remainder and config.batch_size > examples:
+        raise ConfigError(
+            "batch_size",
+            config.batch_size,
+            f"is larger than the {examples} training examples, and drop_remainder leaves "
+            "no batch",
+        )
+    test_field = "validation_data" if field == "x" else field
+    if isinstance(test_data, streams.EvalStream):
+        pass  # read at each evaluation; its first batch is checked below
+    elif test_data is not None and data_lib.size(test_data) == 0:
+        raise ConfigError(
+            test_field,
+            config.dataset if test_field == "dataset" else "(0 examples)",
+            "has no evaluation examples; give some, or none (None) to skip evaluation",
+        )
+    model = model_for(config, model)
+    # Keras builds on the first batch's shapes (its errors name them)
+    placement.build(model, data_lib.first_examples(train_data, config.batch_size), field)
+    if test_data is not None:
+        placement.check_fits(model, data_lib.first_examples(test_data, 2), test_field)
+    if data_lib.is_stream(train_data):
+        per_pass = train_data.batches or (math.inf if train_data.endless else None)
+        endless = per_pass == math.inf and not config.steps_per_epoch
+        if endless and config.iterations is None:
+            value = config.dataset if field == "dataset" else train_data.source
+            raise ConfigError(
+                field,
+                value,
+                f"{'train data, a ' + train_data.source + ', ' if field == 'dataset' else ''}"
+                "is infinite: give steps_per_epoch, as Keras fit needs",
+            )
+    else:
+        per_pass = data_lib.steps_per_epoch(examples, config.batch_size, config.drop_remainder)
+    schedule = Schedule(
+        per_pass,
+        config.steps_per_epoch,
+        max(1, int(getattr(model, "steps_per_execution", 1) or 1)),
+        config.initial_epoch,
+        config.epochs,
+        config.iterations
+        if config.iterations is not None or config.epochs is not None
+        else DEFAULT_ITERATIONS,
+    )
+    return Plan(
+        config,
+        devices,
+        shards,
+        model,
+        getattr(model, "name", None) or type(model).__name__,
+        train_data,
+        test_data,
+        schedule,
+        batch_from,
+    )
+
+
+def with_batch_size(config: Config, train_data) -> Config:
+    """The config with its batch size: the one given, else a stream's own batches, else
+    DEFAULT_BATCH_SIZE."""
+    if config.batch_size is not None:
+        return config
+    own = train_data.batch_size if data_lib.is_stream(train_data) else None
+    return dataclasses.replace(config, batch_size=own or DEFAULT_BATCH_SIZE)
