@@ -297,7 +297,8 @@ def refusal(*args):
     """
     from absl import flags
 
-    from tfdp import cli, training
+    from tfdp import cli
+    from tfdp.run import training
     from tfdp.devices import configure_logical_devices
     from tfdp.errors import ConfigError
 

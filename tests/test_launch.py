@@ -326,7 +326,7 @@ def test_an_unprivileged_user_isolates_through_a_user_namespace(tmp_path):
     shared = tempfile.mkdtemp(prefix="tfdp-launch-")
     try:
         os.chmod(shared, 0o755)
-        launcher = shutil.copy(ROOT / "tfdp" / "launch.py", shared)
+        launcher = shutil.copy(ROOT / "tfdp" / "cluster" / "launch.py", shared)
         os.chmod(launcher, 0o644)
         for python in (sys.executable, "/usr/bin/python3"):
             try:

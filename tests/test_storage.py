@@ -295,7 +295,7 @@ def test_a_full_disk_during_a_save_keeps_the_last_good_checkpoint(tmp_path):
             model_dir, hidden_units=200, keep_checkpoints=10
         )  # ~110 KB a save
         checkpointer = Checkpointer(config, **run_parts(toy_mlp(hidden_units=200)))
-        model = checkpointer.trainer.model
+        model = checkpointer.model
         rng = np.random.default_rng(0)
         saved = {}
         for step in range(10, 110, 10):
@@ -322,7 +322,7 @@ def test_a_full_disk_during_a_save_keeps_the_last_good_checkpoint(tmp_path):
         lines = []
         assert fresh.restore(log=lines.append) == last
         assert lines == []
-        for x, y in zip(fresh.trainer.model.get_weights(), saved[last], strict=True):
+        for x, y in zip(fresh.model.get_weights(), saved[last], strict=True):
             np.testing.assert_array_equal(x, y)
 
 
@@ -330,7 +330,7 @@ def test_after_a_fallback_the_next_saves_continue_cleanly(tmp_path):
     model_dir = str(tmp_path)
     config = checkpointed_config(model_dir, keep_checkpoints=5)
     checkpointer = Checkpointer(config, **run_parts(tiny_model()))
-    model = checkpointer.trainer.model
+    model = checkpointer.model
     rng = np.random.default_rng(0)
     saved = {}
     for step in (10, 20, 30):
@@ -343,7 +343,7 @@ def test_after_a_fallback_the_next_saves_continue_cleanly(tmp_path):
     fresh = Checkpointer(config, **run_parts(tiny_model()))
     lines = []
     assert fresh.restore(log=lines.append) == 10
-    for x, y in zip(fresh.trainer.model.get_weights(), saved[10], strict=True):
+    for x, y in zip(fresh.model.get_weights(), saved[10], strict=True):
         np.testing.assert_array_equal(x, y)
     assert [line.split(":")[0] for line in lines] == [
         f"skipped checkpoint {checkpoints(model_dir)}/ckpt-30",
@@ -370,7 +370,7 @@ def test_without_an_index_file_the_checkpoints_are_found_by_their_files(tmp_path
     model_dir = str(tmp_path)
     config = checkpointed_config(model_dir)
     checkpointer = Checkpointer(config, **run_parts(tiny_model()))
-    model = checkpointer.trainer.model
+    model = checkpointer.model
     for step in (10, 20):
         model.set_weights([np.full(w.shape, step) for w in model.get_weights()])
         checkpointer.save(step)
@@ -385,7 +385,7 @@ def test_without_an_index_file_the_checkpoints_are_found_by_their_files(tmp_path
     assert lines == [
         f"the checkpoint index {index} is missing; found the checkpoints by their files; {resuming}"
     ]
-    for x, y in zip(fresh.trainer.model.get_weights(), expected, strict=True):
+    for x, y in zip(fresh.model.get_weights(), expected, strict=True):
         np.testing.assert_array_equal(x, y)
     assert index_names(model_dir) == ["ckpt-20", "ckpt-10", "ckpt-20"]
 

@@ -373,7 +373,8 @@ def test_the_command_takes_a_batched_datasets_batch_size(records, tmp_path):
     """Without --batch_size, the command trains on the dataset's own batches, and says so."""
     from absl.testing import flagsaver
 
-    from tfdp import cli, training
+    from tfdp import cli
+    from tfdp.run import training
 
     script = tmp_path / "pipeline.py"
     script.write_text(SCRIPT.format(paths=records))
