@@ -16,7 +16,7 @@ from helpers import tfdp as run_tfdp
 import tfdp
 from tfdp import Config, ConfigError
 from tfdp.data.arrays import train_dataset
-from tfdp.engine.placement import build
+from tfdp.models import build_on
 
 BATCH = 60
 SEED = 3
@@ -71,7 +71,7 @@ def train_steps(mode, devices, powers, steps, data, make=two_input_model, **opti
         **options,
     )
     model = make()
-    build(model, tfdp_first(data))
+    build_on(model, tfdp_first(data))
     return helpers.train_steps(config, devices, data, steps, model)
 
 

@@ -8,8 +8,9 @@ import contextlib
 
 import keras
 import numpy as np
+import tensorflow as tf
 
-from tfdp.errors import ConfigError
+from tfdp.errors import ConfigError, DoesNotFit
 
 
 def _initializers(init: str, seed: int, layer: int):
@@ -169,8 +170,6 @@ def the_model(model, field: str = "model", source=None, precision: str = "float3
     """
     from keras.src.trainers.trainer import Trainer
 
-    from tfdp.engine.placement import check_model
-
     label = source or getattr(model, "name", None) or repr(model)
     if isinstance(model, Trainer):
         if precision != "float32":
@@ -222,10 +221,8 @@ def built_in(config, build: bool = False):
     if build:
         import tensorflow as tf
 
-        from tfdp.engine.placement import build as build_model_on
-
         shape = BUILT_IN_INPUTS[config.model]
-        build_model_on(model, (tf.zeros((2, *shape), tf.float32), tf.zeros((2,), tf.int32)))
+        build_on(model, (tf.zeros((2, *shape), tf.float32), tf.zeros((2,), tf.int32)))
     return model
 
 
@@ -252,3 +249,68 @@ def initial_weights(
 
     with tf.device("/device:CPU:0"):
         return build_model(name, init, seed, hidden_units).get_weights()
+
+
+def check_model(model, field: str = "model") -> None:
+    """ConfigError unless `model` is a compiled Keras trainer (a Model, or a layer that is
+    a Keras Trainer)."""
+    from keras.src.trainers.trainer import Trainer
+
+    if not isinstance(model, Trainer):
+        raise ConfigError(
+            field,
+            getattr(model, "name", type(model).__name__),
+            "is not a Keras model: give a compiled keras.Model (any kind), or a function "
+            "that returns one",
+        )
+    if not model.compiled:
+        raise ConfigError(
+            field,
+            model.name,
+            "is not compiled; call model.compile(optimizer=..., loss=...) first",
+        )
+
+
+def build_on(model, batch, field: str = "x") -> None:
+    """Builds what `fit` builds before its first step (the model, its compiled loss and
+    metrics, the optimizer) from a batch of examples, as Keras does (symbolically);
+    ConfigError naming `field` if the data does not fit the model."""
+    own = getattr(model, "_distribute_strategy", None)  # built in a strategy's scope: there
+    try:
+        with own.scope() if own else tf.device("/cpu:0"):
+            model._symbolic_build(data_batch=batch)  # noqa: SLF001 - Keras fit's own build
+    except Exception as error:  # Keras raises many kinds for data that does not fit
+        raise DoesNotFit(field, described(batch), error) from None
+
+
+def check_fits(model, batch, field: str) -> None:
+    """ConfigError naming `field` unless a batch of it fits the built model: its inputs the
+    model's, its targets the compiled loss's (checked symbolically, as Keras builds)."""
+    from keras.src import backend
+    from keras.src.trainers.data_adapters.data_adapter_utils import unpack_x_y_sample_weight
+
+    def symbolic(leaf):
+        return None if leaf is None else backend.KerasTensor(leaf.shape, leaf.dtype.name)
+
+    try:
+        x, y, sample_weight = unpack_x_y_sample_weight(tf.nest.map_structure(symbolic, batch))
+        y_pred = backend.compute_output_spec(model, x, training=False)
+        if y is not None:
+            backend.compute_output_spec(
+                model._compute_loss,  # noqa: SLF001
+                x,
+                y,
+                y_pred,
+                sample_weight=sample_weight,
+                training=False,
+            )
+    except Exception as error:  # Keras raises many kinds for data that does not fit
+        raise DoesNotFit(field, described(batch), error) from None
+
+
+def described(structure) -> str:
+    """Shapes of a nested structure, for an error line."""
+    try:
+        return str(tf.nest.map_structure(lambda t: tuple(t.shape), structure))
+    except Exception:  # noqa: BLE001 - only for a message
+        return type(structure).__name__
