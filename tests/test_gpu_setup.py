@@ -97,13 +97,15 @@ class FakeTrainer:
     split = types.SimpleNamespace(unit="device(s)")
     model = types.SimpleNamespace(optimizer=types.SimpleNamespace(learning_rate=0.1))
 
-    def describe(self):
-        return ""
+    def info(self):
+        return {"reduction": None}
 
 
 def plan_on(devices, **settings):
+    from tfdp.data.arrays import as_stream
+
     config = Config(model="toy", batch_size=8, **settings)
-    train = (np.zeros((16, 2), np.float32), np.zeros((16,), np.int32))
+    train = as_stream((np.zeros((16, 2), np.float32), np.zeros((16,), np.int32)), 8, 0)
     return Plan(config, devices, [4, 4], None, "toy", train, None, Schedule(2, None, 1, 0, 2))
 
 

@@ -9,6 +9,7 @@ import pytest
 from helpers import CPUS, train
 
 from tfdp import Config
+from tfdp.data.arrays import as_stream
 from tfdp.engine.modes import build_trainer
 from tfdp.run.training import partition
 
@@ -28,7 +29,7 @@ def test_auto_powers_see_a_device_slowed_4x(reduce, images):
     assert shards == [100, 100]  # auto starts even
     trainer = build_trainer(config, devices, shards)
     lines = []
-    info, probe = trainer.balancer.set_up(config, images, lines.append)
+    info, probe = trainer.balancer.set_up(config, as_stream(images, 200, 0), lines.append)
     slowed = info["simulated_slowdown"]["CPU:1"]
     assert slowed["factor"] == 4 and slowed["sleep_seconds_per_example"] > 0
     assert list(info["simulated_slowdown"]) == ["CPU:1"]
@@ -52,7 +53,7 @@ def test_no_balancing_options_measure_nothing(images):
     config = Config(mode="weighted", devices="cpu:0,cpu:1", batch_size=200)
     trainer = build_trainer(config, CPUS[:2], [100, 100])
     lines = []
-    assert trainer.balancer.set_up(config, images, lines.append) == (
+    assert trainer.balancer.set_up(config, as_stream(images, 200, 0), lines.append) == (
         {"simulated_slowdown": None, "auto_powers": None},
         None,
     )

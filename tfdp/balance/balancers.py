@@ -137,10 +137,6 @@ class WorkerBalancer(DeviceBalancer):
 def timing_examples(train_data, count: int, log):
     """`count` examples of the training data to time the devices on (said in a line where
     that reads a pipeline ahead: `Stream.examples_to_time`)."""
-    from tfdp.data import arrays as data_lib
-
-    if not data_lib.is_stream(train_data):
-        return data_lib.first_examples(train_data, count)
     return train_data.examples_to_time(count, log)
 
 
@@ -154,12 +150,13 @@ def training_data(config, data) -> Agreed:
     if config.dataset == "mnist" and (config.mnist_dir or config.data_dir):
         field = "mnist_dir" if config.mnist_dir else "data_dir"
         value = getattr(config, field)
-    if data_lib.is_stream(data):  # a pipeline: its source and first batch
+    if data.held is None:  # a pipeline: its source and first batch
         text = f"a {data.source} of batches of {data.batch_size}, a sample's digest "
         leaves = data.sample
-    else:
-        leaves = [data.images, data.labels] if isinstance(data, data_lib.Arrays) else data
-        text = f"{data_lib.size(data)} examples, digest "
+    else:  # arrays held in memory: all of them
+        held = data.held
+        leaves = [held.images, held.labels] if isinstance(held, data_lib.Arrays) else held
+        text = f"{data.examples} examples, digest "
     return Agreed(
         field,
         value,

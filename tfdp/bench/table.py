@@ -236,7 +236,7 @@ def measure_tfdp(spec: Spec, job: dict) -> dict:
     probe_seconds = 0.0
     if spec.powers == AUTO:  # each device alone, then all at once, as `tfdp` does first
         start = time.perf_counter()
-        trainer.balancer.set_up(config, arrays, log=lambda line: None)
+        trainer.balancer.set_up(config, as_training_data(arrays, config), log=lambda line: None)
         probe_seconds = time.perf_counter() - start
     return {
         **time_tutorial_run(trainer, config, arrays, job),
@@ -262,10 +262,9 @@ def user_model(job: dict, arrays):
         return None
     from tfdp import models
     from tfdp.data.arrays import first_examples
-    from tfdp.engine import placement
 
     model = models.the_model(make)
-    placement.build(model, first_examples(arrays, 2))
+    models.build_on(model, first_examples(arrays, 2))
     return model
 
 
@@ -299,7 +298,9 @@ def measure_multiworker(spec: Spec, job: dict) -> dict:
     arrays = load_arrays(job["synthetic"], job["mnist_dir"])
     trainer = build_trainer(config, workers, shards, user_model(job, arrays))
     start = time.perf_counter()
-    info, probe = trainer.balancer.set_up(config, arrays, log=lambda line: None)
+    info, probe = trainer.balancer.set_up(
+        config, as_training_data(arrays, config), log=lambda line: None
+    )
     probe_seconds = time.perf_counter() - start
     rebalancing = trainer.balancer.rebalancing(config.rebalance_every, lambda line: None, probe)
     return {
@@ -311,6 +312,15 @@ def measure_multiworker(spec: Spec, job: dict) -> dict:
         # each worker's median seconds per step over the last window (sleep included)
         "device_seconds": rebalancing.seconds() if rebalancing else None,
     }
+
+
+def as_training_data(arrays, config):
+    """Arrays as a run reads its training data, for the balancer (`arrays.as_stream`)."""
+    from tfdp.data.arrays import as_stream
+
+    return as_stream(
+        arrays, config.batch_size, config.seed, config.drop_remainder, config.shuffle
+    )
 
 
 def time_tutorial_run(trainer, config, arrays, job: dict, rebalancing=None) -> dict:

@@ -218,6 +218,29 @@ def train_indices(arrays, batch_size, seed, start_step=0, drop_remainder=False, 
     )
 
 
+def as_stream(arrays, batch_size, seed, drop_remainder=False, shuffle=True) -> Stream:
+    """Arrays held in memory as the one type of training data: a `Stream` read by index,
+    whose batches are `train_indices`' (a resumed run reads on from its step's batch,
+    nothing read again) and whose examples the trainer gathers (`Stream.gather`)."""
+    examples = size(arrays)
+
+    def starting_at(step: int):
+        return train_indices(arrays, batch_size, seed, step, drop_remainder, shuffle)
+
+    return Stream(
+        starting_at(0),
+        batch_size,
+        steps_per_epoch(examples, batch_size, drop_remainder),
+        examples,
+        "arrays",
+        False,
+        first_examples(arrays, min(batch_size, examples)),  # a model batch, on the host
+        starting_at=starting_at,
+        held=arrays,
+        gather=gatherer(arrays),
+    )
+
+
 def gatherer(arrays):
     """The function from an index batch of `train_indices` to the batch of those
     examples of `arrays`, as the model reads it; it reads only the examples named."""

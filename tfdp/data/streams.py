@@ -1,4 +1,5 @@
-"""Training data read as a pipeline: a tf.data.Dataset, a keras.utils.PyDataset or a generator.
+"""The one type of training data, `Stream`: a tf.data.Dataset, a keras.utils.PyDataset, a
+generator, or arrays held in memory (data/arrays.py, `as_stream`).
 
 A `Stream` is the user's pipeline of global batches, read while training as
 Keras `fit` reads it: nothing is held in memory whole, `map` runs again in
@@ -58,9 +59,14 @@ class Stream:
             and sparse tensors): Keras builds from shapes, None where unknown.
             Nothing is read ahead: that would start an iteration of the pipeline,
             and move its seeded shuffles on by one.
-        starting_at: for a source read by index (a PyDataset), the stream from a
-            step on, the batches before it not read; None: read from the start.
+        starting_at: for a source read by index (a PyDataset, arrays), the stream from
+            a step on, the batches before it not read; None: read from the start.
         endless: the source never ends (an infinite dataset or PyDataset).
+        held: arrays held in memory, whose batches the stream gives as example
+            indices; None: the stream gives the batches themselves.
+        gather: with `held`, the function from a batch of indices to the batch of those
+            examples as the model reads it (the trainer gathers: a worker of a cluster
+            only its slice).
     """
 
     dataset: tf.data.Dataset
@@ -72,6 +78,8 @@ class Stream:
     sample: object
     starting_at: Callable[[int], tf.data.Dataset] | None = None
     endless: bool = False
+    held: object = None
+    gather: Callable | None = None
     _read_ahead: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
@@ -86,7 +94,7 @@ class Stream:
         """The examples of a pass's last batch (the batch size when unknown)."""
         if self.examples is None or self.batches is None:
             return self.batch_size
-        return self.examples - (self.batches - 1) * self.batch_size
+        return min(self.batch_size, self.examples - (self.batches - 1) * self.batch_size)
 
     @property
     def shapes_known(self) -> bool:
@@ -117,7 +125,10 @@ class Stream:
     def training_batches(self, start_step: int = 0, passes: int = 0) -> tf.data.Dataset:
         """The global batches of steps start_step, start_step + 1, ...: pass after pass,
         each a new run of the pipeline (`passes`: passes ended before `start_step`, whose
-        markers come before it in a marked stream)."""
+        markers come before it in a marked stream). Arrays held: batches of example
+        indices (`gather` makes their batches)."""
+        if self.held is not None:
+            return self.starting_at(start_step)
         if start_step and self.starting_at is not None:
             return self.starting_at(start_step).prefetch(PREFETCH_BATCHES)
         stream = self.dataset

@@ -37,13 +37,13 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from tfdp.balance.balancers import WorkerBalancer
 from tfdp.cluster.agreement import Agreed, arrays_digest, settings_to_agree
 from tfdp.cluster.exchange import Cluster
 from tfdp.cluster.spec import find_cluster
 from tfdp.devices import AUTO, split_batch
 from tfdp.engine import shards as shards_lib
 from tfdp.engine.cluster_strategy import join_cluster
-from tfdp.balance.balancers import WorkerBalancer
 from tfdp.engine.steps import cut, num_examples, shard_sizes_for
 from tfdp.engine.trainer import Probes, Trainer
 

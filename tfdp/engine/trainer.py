@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tfdp.balance.balancers import DeviceBalancer
 from tfdp.cluster.exchange import LOCAL
 from tfdp.engine import shards as shards_lib
 from tfdp.engine.placement import Placement, kept
-from tfdp.balance.balancers import DeviceBalancer
 from tfdp.engine.split import Split
 from tfdp.engine.steps import DeviceWork, num_examples, shard_sizes_for, split, with_metrics
 

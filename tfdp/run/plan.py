@@ -12,6 +12,7 @@ import functools
 import math
 import os
 
+from tfdp import models
 from tfdp.config import AUTO, DATASETS, DEFAULT_BATCH_SIZE, DEFAULT_ITERATIONS, MODELS, Config
 from tfdp.data import arrays as data_lib
 from tfdp.data import mnist, sources, streams
@@ -24,7 +25,6 @@ from tfdp.devices import (
     short_name,
     split_batch,
 )
-from tfdp.engine import placement
 from tfdp.errors import ConfigError
 from tfdp.run.checkpoints import check_model_dir
 
@@ -44,7 +44,7 @@ class Plan:
     shards: list[int]
     model: object  # the compiled, built Keras model, trained in place
     model_name: str
-    train_data: object  # data_lib.Arrays, a nested structure of arrays, or a streams.Stream
+    train_data: object  # a streams.Stream (arrays held in memory: `arrays.as_stream`)
     test_data: object  # the same, or None: no evaluation
     schedule: Schedule
     batch_from: str | None = None  # where a batch size not given came from, for the banner
@@ -82,34 +82,17 @@ class Plan:
     @property
     def examples(self) -> int | None:
         """Examples of a pass (None: a stream whose length is not known)."""
-        return data_lib.size(self.train_data)
+        return self.train_data.examples
 
     @property
     def smallest_batch(self) -> int:
         """The fewest examples a global batch of the run holds (1: a stream's may be any)."""
-        if data_lib.is_stream(self.train_data):
-            return 1 if self.train_data.examples is None else self.last_batch
-        return min(self.config.batch_size, self.last_batch)
+        return 1 if self.train_data.examples is None else self.last_batch
 
     @property
     def last_batch(self) -> int:
         """Examples of a pass's last batch."""
-        if data_lib.is_stream(self.train_data):
-            return self.train_data.last_batch
-        batch, per_pass = self.config.batch_size, self.batches_per_pass
-        return min(self.examples - (per_pass - 1) * batch, batch)
-
-    def training_indices(self, start_step: int):
-        """Arrays: the example indices of the global batches of steps start_step, ..."""
-        config = self.config
-        return data_lib.train_indices(
-            self.train_data,
-            config.batch_size,
-            config.seed,
-            start_step,
-            config.drop_remainder,
-            config.shuffle,
-        )
+        return self.train_data.last_batch
 
     def without_test_data(self) -> Plan:
         return dataclasses.replace(self, test_data=None)
@@ -295,8 +278,6 @@ def validation_of(test, config: Config):
 def model_for(config: Config, model=None):
     """The run's model: `model` (a compiled Keras model or a function returning one), else
     the config's: a built-in name or MODULE:FUNCTION."""
-    from tfdp import models
-
     if model is not None:
         return models.the_model(model, precision=config.precision)
     if config.model in MODELS:
@@ -350,6 +331,10 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
             f"is larger than the {examples} training examples, and drop_remainder leaves "
             "no batch",
         )
+    if not data_lib.is_stream(train_data):  # arrays: read by index
+        train_data = data_lib.as_stream(
+            train_data, config.batch_size, config.seed, config.drop_remainder, config.shuffle
+        )
     test_field = "validation_data" if field == "x" else field
     if isinstance(test_data, streams.EvalStream):
         pass  # read at each evaluation; its first batch is checked below
@@ -361,22 +346,18 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
         )
     model = model_for(config, model)
     # Keras builds on the first batch's shapes (its errors name them)
-    placement.build(model, data_lib.first_examples(train_data, config.batch_size), field)
+    models.build_on(model, train_data.first_examples(config.batch_size), field)
     if test_data is not None:
-        placement.check_fits(model, data_lib.first_examples(test_data, 2), test_field)
-    if data_lib.is_stream(train_data):
-        per_pass = train_data.batches or (math.inf if train_data.endless else None)
-        endless = per_pass == math.inf and not config.steps_per_epoch
-        if endless and config.iterations is None:
-            value = config.dataset if field == "dataset" else train_data.source
-            raise ConfigError(
-                field,
-                value,
-                f"{'train data, a ' + train_data.source + ', ' if field == 'dataset' else ''}"
-                "is infinite: give steps_per_epoch, as Keras fit needs",
-            )
-    else:
-        per_pass = data_lib.steps_per_epoch(examples, config.batch_size, config.drop_remainder)
+        models.check_fits(model, data_lib.first_examples(test_data, 2), test_field)
+    per_pass = train_data.batches or (math.inf if train_data.endless else None)
+    if per_pass == math.inf and not config.steps_per_epoch and config.iterations is None:
+        value = config.dataset if field == "dataset" else train_data.source
+        raise ConfigError(
+            field,
+            value,
+            f"{'train data, a ' + train_data.source + ', ' if field == 'dataset' else ''}"
+            "is infinite: give steps_per_epoch, as Keras fit needs",
+        )
     schedule = Schedule(
         per_pass,
         config.steps_per_epoch,

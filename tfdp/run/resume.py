@@ -103,9 +103,10 @@ def stream_iterator(plan: Plan, trainer, checkpointer, cursor):
     A tf.data pipeline read by a host iterator has its position saved with every
     checkpoint, and a resume restores it there (with its shuffle buffers): no batch
     is read again; but not a position saved at or before a step the stream failed at
-    (`bad_data`): that is read again to its step, as below. A PyDataset is read on by index from the step's batch. Else, or from
-    a checkpoint without a position, the stream is read again from its start and the
-    trained batches are dropped.
+    (`bad_data`): that is read again to its step, as below. Arrays and a PyDataset
+    are read on by index from the step's batch. Else, or from a checkpoint without a
+    position, the stream is read again from its start and the trained batches are
+    dropped.
     """
     stream, start_step = plan.train_data, cursor.step
     unsaved = streams.unsaved_state(stream.dataset) if stream.one_pass else None
@@ -120,24 +121,31 @@ def stream_iterator(plan: Plan, trainer, checkpointer, cursor):
         note = f"the {stream.source} at the position saved with the checkpoint"
     else:
         iterator = trainer.distribute(
-            stream.training_batches(start_step, cursor.passes), marked=stream.marked
+            stream.training_batches(start_step, cursor.passes),
+            gather=stream.gather,
+            marked=stream.marked,
         )
-        if start_step and stream.starting_at is not None:
-            note = f"the {stream.source} read on by index from step {start_step}'s batch"
-        elif start_step:
-            why = ""
-            if unsaved:
-                why = f", as its {unsaved} is not saved with a position"
-            elif failed is not None:
-                why = (
-                    f", not restored at the saved position: the stream failed at step "
-                    f"{failed}, and a position saved then holds the failure in its read-ahead"
-                )
-            note = (
-                f"the {stream.source} is read again from its start and its first "
-                f"{start_step} batches dropped{why}"
-                ": the same batches if it makes the same ones on every run"
-            )
+        if start_step and stream.held is None:  # (arrays: the step is the position)
+            note = _read_on_note(stream, start_step, unsaved, failed)
     if saves:
         checkpointer.keep_input(iterator, restored=bool(restored))
     return iterator, note
+
+
+def _read_on_note(stream, start_step: int, unsaved, failed) -> str:
+    """What the banner says of a stream resumed at `start_step` without a saved position."""
+    if stream.starting_at is not None:
+        return f"the {stream.source} read on by index from step {start_step}'s batch"
+    why = ""
+    if unsaved:
+        why = f", as its {unsaved} is not saved with a position"
+    elif failed is not None:
+        why = (
+            f", not restored at the saved position: the stream failed at step "
+            f"{failed}, and a position saved then holds the failure in its read-ahead"
+        )
+    return (
+        f"the {stream.source} is read again from its start and its first "
+        f"{start_step} batches dropped{why}"
+        ": the same batches if it makes the same ones on every run"
+    )

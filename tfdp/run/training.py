@@ -17,7 +17,6 @@ import tensorflow as tf
 
 from tfdp import onednn
 from tfdp.config import AUTO, Config
-from tfdp.data import arrays as data_lib
 from tfdp.data import bad_data
 from tfdp.devices import short_name
 from tfdp.engine.modes import build_trainer
@@ -189,7 +188,8 @@ def run_trainer(plan: Plan, trainer, log, callbacks, verbose, validation) -> dic
                 validation_failure(data, state, failed.error, checkpointer)
             ) from None
         except tf.errors.OpError as error:
-            if not data_lib.is_stream(plan.train_data) or not reading_input(error):
+            # (arrays held in memory have no record to go bad)
+            if plan.train_data.held is not None or not reading_input(error):
                 raise
             raise DataError(input_failure(plan, state, error, checkpointer)) from None
         if keras_callbacks is None:  # (with them, before their on_train_end, as Keras does)
@@ -206,12 +206,8 @@ def run_trainer(plan: Plan, trainer, log, callbacks, verbose, validation) -> dic
 
 def input_at(plan: Plan, trainer, checkpointer, cursor):
     """The iterator of the training data at the cursor's step, and what the banner says
-    of it: a stream at its saved position (`resume.stream_iterator`), arrays as batches
-    of example indices gathered by the trainer."""
-    if data_lib.is_stream(plan.train_data):
-        return stream_iterator(plan, trainer, checkpointer, cursor)
-    indices = plan.training_indices(cursor.step)
-    return trainer.distribute(indices, gather=data_lib.gatherer(plan.train_data)), None
+    of it (`resume.stream_iterator`)."""
+    return stream_iterator(plan, trainer, checkpointer, cursor)
 
 
 def set_up_split(state: Run, balancer, checkpointer) -> tuple[dict, object]:
