@@ -298,9 +298,9 @@ def refusal(*args):
     from absl import flags
 
     from tfdp import cli
-    from tfdp.run import training
     from tfdp.devices import configure_logical_devices
     from tfdp.errors import ConfigError
+    from tfdp.run import training
 
     try:
         config = cli.checked_config(cli.FLAGS(["tfdp", *args]))

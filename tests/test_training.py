@@ -113,6 +113,7 @@ def test_evaluation_is_the_same_on_every_device_set(mnist_dir):
     import tensorflow as tf
     from helpers import CPUS
 
+    from tfdp.data.arrays import as_eval_stream
     from tfdp.data.mnist import load_mnist_idx
     from tfdp.engine.modes import build_trainer
     from tfdp.models import build_model
@@ -137,7 +138,7 @@ def test_evaluation_is_the_same_on_every_device_set(mnist_dir):
             mode=mode, devices=",".join(devices), powers=powers, seed=1, batch_size=1024
         )
         trainer = build_trainer(config, devices, partition(config, devices))
-        values = evaluate(trainer, test, config.batch_size)
+        values = evaluate(trainer, as_eval_stream(test), config.batch_size)
         trainer.close()
         assert values["accuracy"] == pytest.approx(expected, abs=1e-6), (
             mode,

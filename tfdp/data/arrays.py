@@ -1,8 +1,9 @@
-"""Training data held in memory: `Arrays` (a split of images and labels) or a nested
-structure of arrays (what Keras `fit` takes as x, y and sample weights).
+"""Data held in memory: `Arrays` (a split of images and labels) or a nested structure of
+arrays (what Keras `fit` takes as x, y and sample weights).
 
-`train_dataset` turns any of them into the same deterministic, resumable stream of
-global batches; `eval_batches` into the batches of an evaluation.
+A run reads them as it reads a pipeline: training data as a `Stream` read by index
+(`as_stream`: the same deterministic, resumable global batches as `train_dataset`),
+validation data as an `EvalStream` (`as_eval_stream`).
 """
 
 import dataclasses
@@ -11,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.data import leaves
-from tfdp.data.streams import EvalStream, Stream, first_of
+from tfdp.data.streams import EvalStream, Stream
 from tfdp.errors import ConfigError
 
 
@@ -50,8 +51,6 @@ def size(data) -> int | None:
         return len(data)
     if is_stream(data):
         return data.examples
-    if isinstance(data, EvalStream):
-        return None
     return leaves.length(leaves.first(data))
 
 
@@ -105,11 +104,7 @@ def _as_they_are(*batch):
 
 
 def first_examples(data, count):
-    """The first `count` examples as a model batch, on the host (for timing probes)."""
-    if is_stream(data):
-        return data.first_examples(count)
-    if isinstance(data, EvalStream):
-        return first_of(data.sample, count)
+    """The first `count` examples of arrays as a model batch, on the host."""
     with tf.device("/cpu:0"):
         first = (
             Arrays(data.images[:count], data.labels[:count])
@@ -264,13 +259,21 @@ def prefetched(dataset):
     return dataset.prefetch(PREFETCH_BATCHES).with_options(_without_autotune())
 
 
+def as_eval_stream(arrays) -> EvalStream:
+    """Validation arrays as a run reads its validation data: an `EvalStream` whose
+    batches are `eval_batches`'."""
+    sample = first_examples(arrays, min(2, size(arrays)))
+    return EvalStream(
+        "arrays", sample, lambda batch_size, steps: eval_batches(arrays, batch_size, steps)
+    )
+
+
 def eval_batches(arrays, batch_size, steps=None):
     """Builds the finite, unshuffled evaluation batches (the last one may be partial).
 
     Args:
-        arrays: the evaluation split; or a streamed one (`streams.EvalStream`), read
-            batch by batch as it makes them.
-        batch_size: examples per batch, >= 1 (a batched stream keeps its own).
+        arrays: the evaluation split.
+        batch_size: examples per batch, >= 1.
         steps: only the first `steps` batches (None: all).
 
     Returns:
@@ -278,8 +281,6 @@ def eval_batches(arrays, batch_size, steps=None):
     """
     if batch_size < 1:
         raise ConfigError("batch_size", batch_size, "must be >= 1")
-    if isinstance(arrays, EvalStream):
-        return arrays.batches(batch_size, steps)
     batches = _eval_dataset(arrays, batch_size)
     return batches.take(steps) if steps else batches
 

@@ -537,7 +537,8 @@ class EvalStream:
     """Validation data read batch by batch at each evaluation, as Keras' `evaluate` reads
     it: a tf.data pipeline (batched, or batched here to the validation batch size) or a
     PyDataset from its start every time, with validation_steps too (Keras' `evaluate`
-    resets its iterator); a generator on from where it stopped.
+    resets its iterator); a generator on from where it stopped; arrays held in memory
+    (data/arrays.py, `as_eval_stream`).
 
     Attributes:
       source: what the user gave, as errors name it.
@@ -554,7 +555,14 @@ class EvalStream:
     dataset: object = None  # a tf.data pipeline's dataset, as given
 
     def batches(self, batch_size: int, steps: int | None):
+        """The batches of one evaluation (a batched pipeline keeps its own size)."""
+        if batch_size < 1:
+            raise ConfigError("batch_size", batch_size, "must be >= 1")
         return self.read(batch_size, steps)
+
+    def first_examples(self, count: int):
+        """The first `count` examples (at most the sample's): `first_of` the sample."""
+        return first_of(self.sample, count)
 
 
 def eval_stream(data, field: str = "validation_data") -> EvalStream:

@@ -45,7 +45,7 @@ class Plan:
     model: object  # the compiled, built Keras model, trained in place
     model_name: str
     train_data: object  # a streams.Stream (arrays held in memory: `arrays.as_stream`)
-    test_data: object  # the same, or None: no evaluation
+    test_data: object  # a streams.EvalStream (arrays: `arrays.as_eval_stream`), or None
     schedule: Schedule
     batch_from: str | None = None  # where a batch size not given came from, for the banner
 
@@ -336,19 +336,19 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
             train_data, config.batch_size, config.seed, config.drop_remainder, config.shuffle
         )
     test_field = "validation_data" if field == "x" else field
-    if isinstance(test_data, streams.EvalStream):
-        pass  # read at each evaluation; its first batch is checked below
-    elif test_data is not None and data_lib.size(test_data) == 0:
-        raise ConfigError(
-            test_field,
-            config.dataset if test_field == "dataset" else "(0 examples)",
-            "has no evaluation examples; give some, or none (None) to skip evaluation",
-        )
+    if test_data is not None and not isinstance(test_data, streams.EvalStream):  # arrays
+        if data_lib.size(test_data) == 0:
+            raise ConfigError(
+                test_field,
+                config.dataset if test_field == "dataset" else "(0 examples)",
+                "has no evaluation examples; give some, or none (None) to skip evaluation",
+            )
+        test_data = data_lib.as_eval_stream(test_data)
     model = model_for(config, model)
     # Keras builds on the first batch's shapes (its errors name them)
     models.build_on(model, train_data.first_examples(config.batch_size), field)
     if test_data is not None:
-        models.check_fits(model, data_lib.first_examples(test_data, 2), test_field)
+        models.check_fits(model, test_data.first_examples(2), test_field)
     per_pass = train_data.batches or (math.inf if train_data.endless else None)
     if per_pass == math.inf and not config.steps_per_epoch and config.iterations is None:
         value = config.dataset if field == "dataset" else train_data.source

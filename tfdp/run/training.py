@@ -70,7 +70,7 @@ def validation_failure(data, run, error, checkpointer) -> str:
     """One line for validation data that failed to read in an evaluation."""
     latest = checkpointer.standing if checkpointer else None
     return bad_data.failure_line(
-        f"the validation data ({getattr(data, 'source', 'arrays')})",
+        f"the validation data ({data.source})",
         error,
         run.step,
         getattr(data, "dataset", None),

@@ -6,7 +6,6 @@ import time
 
 import tensorflow as tf
 
-from tfdp.data import arrays as data_lib
 from tfdp.data import bad_data, leaves
 from tfdp.run.hooks.report import described
 from tfdp.run.loop import Hook
@@ -29,7 +28,7 @@ def evaluate(trainer, data, batch_size: int, callbacks=None, steps: int | None =
 
     trainer.model.reset_metrics()
     logs = {}
-    batches = bad_data.reading(data_lib.eval_batches(data, batch_size, steps))
+    batches = bad_data.reading(data.batches(batch_size, steps))
     for index, batch in enumerate(batches):
         if seen is not None:
             seen.append(leaves.length(tf.nest.flatten(batch)[0]))
