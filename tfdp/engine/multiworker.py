@@ -48,10 +48,75 @@ from tfdp.engine.steps import cut, num_examples, shard_sizes_for
 from tfdp.engine.trainer import Probes, Trainer
 
 
+class WorkerProbes(Probes):
+    """The probes of a worker (`Probes`), each worker timing itself and the cluster
+    sharing the results (`exchange`), so that every worker sets the same split."""
+
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        self.workers, self.exchange = trainer.workers, trainer.exchange
+
+    def own_seconds(self, batch, min_seconds: float = 0.5, min_steps: int = 5) -> float:
+        """This worker's seconds for its train_step without the update (no all-reduce) on
+        `batch`, after tracing and a warm-up step: at least `min_steps` calls and
+        `min_seconds`; the model's state as it was before."""
+        trainer, examples = self._trainer, num_examples(batch)
+
+        def work(shard):
+            gradients = self._work.train(shard, examples)[1]
+            # a value that needs every gradient, so none is pruned away
+            return tf.add_n([tf.reduce_sum(g) for g in gradients])
+
+        @tf.function(autograph=False)
+        def step():
+            with shards_lib.handing_over(trainer.model):
+                return trainer.strategy.experimental_local_results(
+                    trainer.strategy.run_unweighed(work, args=(trainer._local_pieces(batch),))
+                )
+
+        with self.untouched():
+            for _ in range(2):  # tracing, then a warm step
+                [t.numpy() for t in step()]
+            steps, start = 0, time.perf_counter()
+            while steps < min_steps or time.perf_counter() - start < min_seconds:
+                [t.numpy() for t in step()]
+                steps += 1
+        return (time.perf_counter() - start) / steps
+
+    def measure_powers(self, batch) -> dict:
+        """`--powers=auto`: each worker's examples/second; re-splits the global batch by them.
+
+        Every worker times itself (`own_seconds`) on `batch`, a probe shard of
+        global_batch / workers examples. The rates are exchanged with `gather`,
+        so every worker computes the same partition.
+        """
+        rates = self.exchange.gather(int(num_examples(batch)) / self.own_seconds(batch))
+        powers = [round(r / max(rates), 4) for r in rates]
+        self.split.set(split_batch(self.split.global_batch_size, powers))
+        return {"devices": self.workers, "images_per_second": rates, "powers": powers}
+
+    def calibrate_slowdown(self, batch, factors: dict) -> dict:
+        """`--simulate_slowdown=worker:I=F`: worker I alone becomes F times slower, by a
+        sleep per example after its backward pass. Each worker times itself; every
+        worker gets every worker's sleep, for the log. Returns the slowed workers'."""
+        factor = factors.get(self.workers[self._trainer.index], 1.0)
+        own = 0.0
+        if factor != 1:
+            own = (factor - 1) * self.own_seconds(batch) / int(num_examples(batch))
+        delays = self.exchange.gather(own)
+        self.set_delays(np.repeat(delays, self._trainer.local_replicas))  # per replica
+        return {
+            worker: {"factor": factors[worker], "sleep_seconds_per_example": delay}
+            for worker, delay in zip(self.workers, delays)
+            if worker in factors
+        }
+
+
 class MultiWorkerTrainer(Trainer):
     """This worker's part of synchronous training over the whole cluster."""
 
     unit = "worker(s)"
+    _Balancer, _Probes = WorkerBalancer, WorkerProbes
 
     def __init__(self, strategy, cluster, model, shards, config, jit_compile=False):
         """
@@ -86,7 +151,6 @@ class MultiWorkerTrainer(Trainer):
         self._gather = None  # arrays: indices -> their examples (`distribute`)
         self.config = config
         self.exchange.agree([*settings_to_agree(config), initial_weights(config, weights)])
-        self.balancer = WorkerBalancer(WorkerProbes(self))
 
     def distribute(self, dataset, gather=None, marked=False):
         """The iterator `train_step` reads (see `Trainer.distribute`): every global batch
@@ -169,69 +233,6 @@ class MultiWorkerTrainer(Trainer):
             "worker_batch": self.worker_batch,
         }
 
-
-class WorkerProbes(Probes):
-    """The probes of a worker (`Probes`), each worker timing itself and the cluster
-    sharing the results (`exchange`), so that every worker sets the same split."""
-
-    def __init__(self, trainer):
-        super().__init__(trainer)
-        self.workers, self.exchange = trainer.workers, trainer.exchange
-
-    def own_seconds(self, batch, min_seconds: float = 0.5, min_steps: int = 5) -> float:
-        """This worker's seconds for its train_step without the update (no all-reduce) on
-        `batch`, after tracing and a warm-up step: at least `min_steps` calls and
-        `min_seconds`; the model's state as it was before."""
-        trainer, examples = self._trainer, num_examples(batch)
-
-        def work(shard):
-            gradients = self._work.train(shard, examples)[1]
-            # a value that needs every gradient, so none is pruned away
-            return tf.add_n([tf.reduce_sum(g) for g in gradients])
-
-        @tf.function(autograph=False)
-        def step():
-            with shards_lib.handing_over(trainer.model):
-                return trainer.strategy.experimental_local_results(
-                    trainer.strategy.run_unweighed(work, args=(trainer._local_pieces(batch),))
-                )
-
-        with self.untouched():
-            for _ in range(2):  # tracing, then a warm step
-                [t.numpy() for t in step()]
-            steps, start = 0, time.perf_counter()
-            while steps < min_steps or time.perf_counter() - start < min_seconds:
-                [t.numpy() for t in step()]
-                steps += 1
-        return (time.perf_counter() - start) / steps
-
-    def measure_powers(self, batch) -> dict:
-        """`--powers=auto`: each worker's examples/second; re-splits the global batch by them.
-
-        Every worker times itself (`own_seconds`) on `batch`, a probe shard of
-        global_batch / workers examples. The rates are exchanged with `gather`,
-        so every worker computes the same partition.
-        """
-        rates = self.exchange.gather(int(num_examples(batch)) / self.own_seconds(batch))
-        powers = [round(r / max(rates), 4) for r in rates]
-        self.split.set(split_batch(self.split.global_batch_size, powers))
-        return {"devices": self.workers, "images_per_second": rates, "powers": powers}
-
-    def calibrate_slowdown(self, batch, factors: dict) -> dict:
-        """`--simulate_slowdown=worker:I=F`: worker I alone becomes F times slower, by a
-        sleep per example after its backward pass. Each worker times itself; every
-        worker gets every worker's sleep, for the log. Returns the slowed workers'."""
-        factor = factors.get(self.workers[self._trainer.index], 1.0)
-        own = 0.0
-        if factor != 1:
-            own = (factor - 1) * self.own_seconds(batch) / int(num_examples(batch))
-        delays = self.exchange.gather(own)
-        self.set_delays(np.repeat(delays, self._trainer.local_replicas))  # per replica
-        return {
-            worker: {"factor": factors[worker], "sleep_seconds_per_example": delay}
-            for worker, delay in zip(self.workers, delays)
-            if worker in factors
-        }
 
 
 def build(config, shards, model, jit_compile=False) -> MultiWorkerTrainer:

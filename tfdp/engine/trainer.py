@@ -18,6 +18,8 @@ declares; it never asks which mode it runs.
 
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
 
 from tfdp.balance.balancers import DeviceBalancer
@@ -26,6 +28,74 @@ from tfdp.engine import shards as shards_lib
 from tfdp.engine.placement import Placement, kept
 from tfdp.engine.split import Split
 from tfdp.engine.steps import DeviceWork, num_examples, shard_sizes_for, split, with_metrics
+
+
+class Probes:
+    """A trainer's probes: each device's seconds for the model's forward and backward pass
+    on its piece, without the update, and the simulated slowdown (`set_delays`). What a
+    balancer (balance/balancers.py) measures the devices with; `split` is the split they
+    time and the balancer sets; `timed`: each training step reads every device's seconds.
+    """
+
+    def __init__(self, trainer):
+        self._trainer = trainer
+        self.split, self.timed = trainer.split, trainer.timed
+        # the model's train_step on a piece, timed, its gradients not applied
+        self._work = DeviceWork(trainer.model, 1, False, True, may_be_empty=True)
+        self._alone = tf.function(self._seconds_alone, autograph=False)
+        self._together = tf.function(self._seconds_together, autograph=False)
+
+    def set_delays(self, delays) -> None:
+        """Simulated slowdown: seconds of sleep per example, per replica."""
+        if self._trainer.strategy is None:
+            raise ValueError("the trainer was made without a simulated slowdown")
+        self._trainer.strategy.set_sleep_per_example(delays)
+
+    def alone(self, batch, index: int) -> float:
+        """Device `index`'s seconds for its forward and backward pass on `batch`, the others
+        idle, without an update (the model's state as it was before)."""
+        with self.untouched():
+            return float(self._alone(batch, index))
+
+    def together(self, batch):
+        """Each device's seconds for forward and backward on its shard of the global
+        batch, all devices at once as in a step, without an update."""
+        with self.untouched():
+            return self._together(batch).numpy()
+
+    def untouched(self):
+        """Inside: what a probe step changes besides the weights (metrics, batch-norm
+        statistics, random seeds) is put back afterwards."""
+        model = self._trainer.model
+        return kept([*model.non_trainable_variables, *model.metrics_variables])
+
+    def _seconds_together(self, batch):
+        return self._timed(batch, tf.convert_to_tensor(self.split.sizes))
+
+    def _seconds_alone(self, batch, index):
+        # The other replicas get empty pieces: the same program, no work.
+        sizes = [0] * len(self.split.devices)
+        sizes[index] = num_examples(batch)
+        return self._timed(batch, tf.stack(sizes))[index]
+
+    def _delay(self):
+        sleep = getattr(self._trainer.strategy, "sleep_per_example", None)
+        if sleep is None:
+            return None
+        return tf.gather(sleep, tf.distribute.get_replica_context().replica_id_in_sync_group)
+
+    def _timed(self, batch, sizes):
+        """Each replica's seconds for its train_step on its piece, without the update."""
+        trainer, examples = self._trainer, num_examples(batch)
+
+        def seconds(piece):
+            return self._work.train(piece, examples, self._delay())[3]
+
+        with shards_lib.handing_over(trainer.model):
+            if trainer.strategy is None:
+                return tf.stack([trainer._run(seconds, trainer._split(batch, sizes))])
+            per_replica = trainer.strategy.run(seconds, args=(trainer._split(batch, sizes),))
+        return tf.stack(trainer.strategy.experimental_local_results(per_replica))
 
 
 class Trainer:
@@ -50,6 +120,7 @@ class Trainer:
     unit = "device(s)"  # what the split's devices are, for the banner
     exchange = LOCAL
     _marked = False  # each element is (batch, whether its pass has ended) (`distribute`)
+    _Balancer, _Probes = DeviceBalancer, Probes  # what measures and sets the split
 
     def __init__(
         self,
@@ -120,7 +191,6 @@ class Trainer:
                 self._replicas_train = tf.function(self._train_replicas, jit_compile=True, autograph=False)
             self._replicas_test = tf.function(self._test_replicas, jit_compile=True, autograph=False)
         self._compile()
-        self.balancer = DeviceBalancer(Probes(self))  # measures and sets the split
 
     def notes(self) -> list[str]:
         """How the model's own train_step is run, where not as Keras runs it (once traced)."""
@@ -128,6 +198,12 @@ class Trainer:
         return [*self._notes, *work, *getattr(self.strategy, "notes", [])]
 
     # --- the data
+
+    @functools.cached_property
+    def balancer(self):
+        """What measures and sets the split, through this trainer's probes (made on first
+        use, once the trainer is whole)."""
+        return self._Balancer(self._Probes(self))
 
     def distribute(self, dataset, gather=None, marked=False):
         """The iterator `train_step` reads, from a dataset of global batches: a tf.data
@@ -324,73 +400,6 @@ class Trainer:
             reduction = getattr(self.strategy, "reduce_to", None) or "allreduce"
         return {"reduction": reduction, "chains": self.chains, "jit_compile": self.jit_compile}
 
-
-class Probes:
-    """A trainer's probes: each device's seconds for the model's forward and backward pass
-    on its piece, without the update, and the simulated slowdown (`set_delays`). What a
-    balancer (balance/balancers.py) measures the devices with; `split` is the split they
-    time and the balancer sets; `timed`: each training step reads every device's seconds.
-    """
-
-    def __init__(self, trainer):
-        self._trainer = trainer
-        self.split, self.timed = trainer.split, trainer.timed
-        # the model's train_step on a piece, timed, its gradients not applied
-        self._work = DeviceWork(trainer.model, 1, False, True, may_be_empty=True)
-        self._alone = tf.function(self._seconds_alone, autograph=False)
-        self._together = tf.function(self._seconds_together, autograph=False)
-
-    def set_delays(self, delays) -> None:
-        """Simulated slowdown: seconds of sleep per example, per replica."""
-        if self._trainer.strategy is None:
-            raise ValueError("the trainer was made without a simulated slowdown")
-        self._trainer.strategy.set_sleep_per_example(delays)
-
-    def alone(self, batch, index: int) -> float:
-        """Device `index`'s seconds for its forward and backward pass on `batch`, the others
-        idle, without an update (the model's state as it was before)."""
-        with self.untouched():
-            return float(self._alone(batch, index))
-
-    def together(self, batch):
-        """Each device's seconds for forward and backward on its shard of the global
-        batch, all devices at once as in a step, without an update."""
-        with self.untouched():
-            return self._together(batch).numpy()
-
-    def untouched(self):
-        """Inside: what a probe step changes besides the weights (metrics, batch-norm
-        statistics, random seeds) is put back afterwards."""
-        model = self._trainer.model
-        return kept([*model.non_trainable_variables, *model.metrics_variables])
-
-    def _seconds_together(self, batch):
-        return self._timed(batch, tf.convert_to_tensor(self.split.sizes))
-
-    def _seconds_alone(self, batch, index):
-        # The other replicas get empty pieces: the same program, no work.
-        sizes = [0] * len(self.split.devices)
-        sizes[index] = num_examples(batch)
-        return self._timed(batch, tf.stack(sizes))[index]
-
-    def _delay(self):
-        sleep = getattr(self._trainer.strategy, "sleep_per_example", None)
-        if sleep is None:
-            return None
-        return tf.gather(sleep, tf.distribute.get_replica_context().replica_id_in_sync_group)
-
-    def _timed(self, batch, sizes):
-        """Each replica's seconds for its train_step on its piece, without the update."""
-        trainer, examples = self._trainer, num_examples(batch)
-
-        def seconds(piece):
-            return self._work.train(piece, examples, self._delay())[3]
-
-        with shards_lib.handing_over(trainer.model):
-            if trainer.strategy is None:
-                return tf.stack([trainer._run(seconds, trainer._split(batch, sizes))])
-            per_replica = trainer.strategy.run(seconds, args=(trainer._split(batch, sizes),))
-        return tf.stack(trainer.strategy.experimental_local_results(per_replica))
 
 
 def _eager(function):

@@ -153,8 +153,8 @@ def run_trainer(plan: Plan, trainer, log, callbacks, verbose, validation) -> dic
         keep_position(checkpointer, state)
         split_info, probe = set_up_split(state, trainer.balancer, checkpointer)
         # after the split is set
-        state.iterator, state.input_note = input_at(plan, trainer, checkpointer, cursor)
-        state.seek_input = lambda cursor: input_at(plan, trainer, None, cursor)[0]
+        state.iterator, state.input_note = stream_iterator(plan, trainer, checkpointer, cursor)
+        state.seek_input = lambda cursor: stream_iterator(plan, trainer, None, cursor)[0]
         summaries = Summaries(config.model_dir) if config.model_dir and trainer.exchange.is_chief else None
         guard = FiniteGuard(checkpointer) if config.finite_guard else None
         checkpoints = Checkpoints(checkpointer, guard) if checkpointer else None
@@ -202,12 +202,6 @@ def run_trainer(plan: Plan, trainer, log, callbacks, verbose, validation) -> dic
     result.model = trainer.model
     result.history = keras_callbacks.history if keras_callbacks else None
     return result
-
-
-def input_at(plan: Plan, trainer, checkpointer, cursor):
-    """The iterator of the training data at the cursor's step, and what the banner says
-    of it (`resume.stream_iterator`)."""
-    return stream_iterator(plan, trainer, checkpointer, cursor)
 
 
 def set_up_split(state: Run, balancer, checkpointer) -> tuple[dict, object]:
