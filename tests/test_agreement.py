@@ -24,7 +24,7 @@ from tfdp.cluster.agreement import (
     first_difference,
     settings_to_agree,
 )
-from tfdp.cluster.launch import free_ports, tf_configs
+from tfdp.cluster.workers import free_ports, tf_configs
 from tfdp.cluster.spec import read_cluster
 from tfdp.config import Config
 from tfdp.errors import ConfigError

@@ -207,7 +207,7 @@ def test_the_typical_script_fits_as_keras_does(mode, script, keras_run, tmp_path
 
 @pytest.mark.slow
 def test_the_typical_script_fits_as_keras_does_on_two_workers(script, keras_run, tmp_path):
-    from tfdp.cluster.launch import free_ports, tf_configs
+    from tfdp.cluster.workers import free_ports, tf_configs
 
     _, path = script
     settings = json.dumps({"mode": "multiworker"})

@@ -19,7 +19,8 @@ from helpers import refusal, tfdp
 
 from tfdp import Config, ConfigError
 from tfdp.cluster import launch as launch_module
-from tfdp.cluster.launch import UsageError, check_gpus, parse_args, visible_gpus, worker_environment
+from tfdp.cluster.launch import UsageError, check_gpus, parse_args, visible_gpus
+from tfdp.cluster.workers import worker_environment
 from tfdp.data.epochs import Schedule
 from tfdp.devices import (
     available_devices,
@@ -395,11 +396,10 @@ def test_more_gpus_than_visible_is_refused():
 
 
 def test_gpus_per_worker_parses():
-    assert parse_args(["--gpus_per_worker=2", "--model=toy"])[3:] == (
-        2,
-        ["--mode=multiworker", "--model=toy"],
-    )
-    assert parse_args(["--model=toy"])[3] is None
+    settings = parse_args(["--gpus_per_worker=2", "--model=toy"])
+    assert settings.gpus_per_worker == 2
+    assert settings.flags == ["--mode=multiworker", "--model=toy"]
+    assert parse_args(["--model=toy"]).gpus_per_worker is None
 
 
 def launcher(*args, env=None):

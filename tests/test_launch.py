@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from tfdp.cluster import launch as launch_module
-from tfdp.cluster.launch import _stream
+from tfdp.cluster import workers as cluster_workers
+from tfdp.cluster.workers import copy_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ["--model=toy", "--batch_size=256", "--progress=never"]
@@ -252,11 +253,12 @@ def test_isolated_and_host_workers_train_the_same(networks):
 REFUSE = """
 import errno, os
 import tfdp.cluster.launch as launch
+import tfdp.cluster.network as network
 
 def refuse(flags):
     raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
 
-launch._unshare = refuse
+network._unshare = refuse
 launch.run()
 """
 WARNING = (
@@ -326,7 +328,7 @@ def test_an_unprivileged_user_isolates_through_a_user_namespace(tmp_path):
     shared = tempfile.mkdtemp(prefix="tfdp-launch-")
     try:
         os.chmod(shared, 0o755)
-        launcher = shutil.copy(ROOT / "tfdp" / "cluster" / "launch.py", shared)
+        launcher = shutil.copy(ROOT / "tfdp" / "cluster" / "network.py", shared)
         os.chmod(launcher, 0o644)
         for python in (sys.executable, "/usr/bin/python3"):
             try:
@@ -432,7 +434,7 @@ class BrokenSink:
 @pytest.mark.parametrize("sink", [io.StringIO(), BrokenSink()], ids=["sink", "broken_sink"])
 def test_a_reader_copies_undecodable_output_to_its_end(sink):
     writer = subprocess.Popen([sys.executable, "-c", WRITER], stdout=subprocess.PIPE)
-    reader = threading.Thread(target=_stream, args=(writer.stdout, sink, "[w] ", threading.Lock()))
+    reader = threading.Thread(target=copy_lines, args=(writer.stdout, sink, "[w] ", threading.Lock()))
     reader.start()
     try:
         assert writer.wait(timeout=120) == 0  # a reader that stopped early leaves it blocked
@@ -512,8 +514,8 @@ def test_a_taken_port_starts_the_workers_again(monkeypatch, capsys):
         chosen.append([port, *fresh[1:]] if not chosen else fresh)
         return chosen[-1]
 
-    free_ports = launch_module.free_ports
-    monkeypatch.setattr(launch_module, "free_ports", ports)
+    free_ports = cluster_workers.free_ports
+    monkeypatch.setattr(cluster_workers, "free_ports", ports)
     with taken:
         status = launch_module.launch(2, ["--mode=multiworker", *TOY, "--iterations=2"], 30)
     out, err = capsys.readouterr()

@@ -579,7 +579,7 @@ def test_two_workers_under_plain_model_fit_give_one_devices_results(started, tmp
 
     from helpers import environment, launch, run_together
 
-    from tfdp.cluster.launch import free_ports, tf_configs
+    from tfdp.cluster.workers import free_ports, tf_configs
 
     script = tmp_path / "worker.py"
     script.write_text(TWO_WORKERS)

@@ -535,7 +535,7 @@ def test_two_workers_stream_the_pipeline_as_keras_fit_on_one_device(records, tmp
 
     from helpers import environment, run_together
 
-    from tfdp.cluster.launch import free_ports, tf_configs
+    from tfdp.cluster.workers import free_ports, tf_configs
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER)

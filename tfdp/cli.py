@@ -29,6 +29,7 @@ onednn.enable_by_default()
 
 from absl import app, flags, logging  # noqa: E402
 
+from tfdp.cluster.workers import LOST_CLUSTER  # noqa: E402
 from tfdp.config import AUTO, Config  # noqa: E402
 from tfdp.devices import (  # noqa: E402
     check_intra_op_threads,
@@ -231,7 +232,7 @@ def main(argv: list[str]) -> None:
 
         if config.mode != "multiworker" or not cluster.is_cluster_error(error):
             raise
-        _fail(cluster.describe_failure(error, config), status=1)
+        _fail(cluster.describe_failure(error, config), status=LOST_CLUSTER)
     if FLAGS.result_json and result.get("chief", True):  # multiworker: the chief writes it
         try:
             write_atomically(FLAGS.result_json, json.dumps(result, indent=2) + "\n")

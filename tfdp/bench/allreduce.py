@@ -72,7 +72,7 @@ def main(argv: list[str]) -> None:
         separate = options.get("separate", "false").lower() in ("1", "true")
         print(json.dumps(worker(steps, collective, separate)))
         return
-    from tfdp.cluster.launch import free_ports, tf_configs
+    from tfdp.cluster.workers import free_ports, tf_configs
 
     command = [sys.executable, "-m", "tfdp.bench.allreduce", *argv]
     processes = [

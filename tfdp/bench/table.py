@@ -509,7 +509,7 @@ def measure_in_subprocess(spec, job: dict) -> dict:
 
 def measure_in_cluster(spec: Spec, command: list[str]) -> dict:
     """Runs `command` once per worker of a loopback cluster; returns the chief's measurement."""
-    from tfdp.cluster.launch import free_ports, tf_configs
+    from tfdp.cluster.workers import free_ports, tf_configs
 
     workers = [
         subprocess.Popen(

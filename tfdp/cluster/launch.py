@@ -1,10 +1,10 @@
-"""`tfdp-launch`: a multi-worker cluster on this machine, one process per worker.
+"""`tfdp-launch`: a multi-worker cluster, one process per worker, supervised.
 
   tfdp-launch --workers=2 --model=toy --batch_size=256 --powers=1,3
 
-starts `tfdp --mode=multiworker [flags]` N times, each with a TF_CONFIG that
-names the same cluster of free loopback ports and its own task index. Every
-output line is prefixed `[worker i] `.
+starts `tfdp --mode=multiworker [flags]` N times on this machine, each with a
+TF_CONFIG that names the same cluster of free loopback ports and its own task
+index. Every output line is prefixed `[worker i] `.
 
   tfdp-launch --workers=2 -- python3 train.py --epochs=3
 
@@ -12,49 +12,67 @@ starts the command after `--` N times instead, with the same TF_CONFIG: a
 script of your own that makes `tfdp.MultiWorkerMirroredStrategy(powers=...)`
 (or TensorFlow's) finds its cluster there.
 
+  tfdp-launch --discover='cat hosts.txt' --min_workers=1 --max_workers=4 \
+      --network=host --model_dir=/shared/run ...
+
+is elastic: the workers are the hosts the discovery command prints now, one
+per line, `HOST` or `HOST:SLOTS` (run every `--discover_every` seconds).
+Workers on this machine (localhost, 127.0.0.1, its name) start as above;
+workers on other hosts start over `--ssh` (elastic.py and the guide say what
+a host needs). When a worker exits abnormally, or discovery offers other
+members, the cluster starts again with the members offered then, and the run
+resumes from its model_dir: the same run, with the same global batch.
+
 Network: TensorFlow's gRPC server listens on all interfaces without any
 authentication, and whoever reaches a worker's port can run code in it. With
 `--network=isolated` (the default where Linux allows it) the launcher and its
 workers run in a network namespace of their own that has only loopback, so
 that no other host can reach their ports; they cannot reach the network
-either. Where that is refused, the launcher says so on one line and the
-workers run on this machine's network; an explicit `--network=isolated` is
-then an error. `--network=host` runs them on this machine's network, e.g.
-for workers that download their data from the internet: their ports are then
-reachable from other hosts, so run it only on a private network.
+either (nor can a discovery command). Where that is refused, the launcher
+says so on one line and the workers run on this machine's network; an
+explicit `--network=isolated` is then an error. `--network=host` runs them on
+this machine's network, as workers on other hosts need, or workers that
+download their data: their ports are then reachable from other hosts, so run
+it only on a private network.
 
-Exit status: 0 when every worker succeeds; otherwise that of the first worker
-to fail (128 + N for one killed by signal N), and the others are stopped
-(SIGINT, then SIGKILL 5 s later) if they have not exited within
-`--grace_seconds`. SIGTERM or Ctrl-C (SIGINT) to the launcher is passed on
-once to every running worker (which saves a checkpoint and exits); workers
-still running `--grace_seconds` later are killed, and the status is 128 + the
+Exit status: 0 when every worker succeeds; otherwise that of the failure that
+ended the run (128 + N for a worker killed by signal N), and the others are
+stopped (SIGINT, then SIGKILL 5 s later) if they have not exited within
+`--grace_seconds`. A worker killed by a signal, or one that lost the cluster
+(status 138), is started again with the others up to `--max_restarts` times
+(default 0; 3 with --discover); a status from 1 to 127 (a bad flag, bad data)
+ends the run. SIGTERM or Ctrl-C (SIGINT) to the launcher is passed on once to
+every running worker (which saves a checkpoint and exits); workers still
+running `--grace_seconds` later are killed, and the status is 128 + the
 signal's number (143, 130) unless a worker had failed before. A bad flag, or
 an explicit `--network=isolated` that cannot be had, exits with status 2.
 """
 
 from __future__ import annotations
 
-import ctypes
-import fcntl
-import json
+import dataclasses
 import os
+import shlex
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import threading
-import time
+
+from tfdp.cluster.elastic import Policy, Supervisor
+from tfdp.cluster.hosts import Discovery
+from tfdp.cluster.network import isolate_network
+from tfdp.cluster.workers import Cluster, Ssh
 
 USAGE = (
-    "usage: tfdp-launch [--workers=N] [--gpus_per_worker=K] [--grace_seconds=S] "
-    "[--network=isolated|host] [tfdp flags | -- COMMAND [ARG ...]]"
+    "usage: tfdp-launch [--workers=N | --discover=COMMAND [--min_workers=N] [--max_workers=N]] "
+    "[--max_restarts=N] [--gpus_per_worker=K] [--grace_seconds=S] [--network=isolated|host] "
+    "[tfdp flags | -- COMMAND [ARG ...]]"
 )
 DEFAULT_WORKERS = 2
 DEFAULT_GRACE_SECONDS = 30.0  # longer than TensorFlow's heartbeat timeout (about 10 s)
+DEFAULT_ELASTIC_RESTARTS = 3
+DEFAULT_SSH = "ssh -o BatchMode=yes"
 NETWORKS = ("isolated", "host")
-PORT_TAKEN = "Could not start gRPC server"  # TensorFlow's words when a worker cannot bind its port
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -66,52 +84,127 @@ class UsageError(ValueError):
         super().__init__(f"{flag}: {reason}")
 
 
-def parse_args(argv: list[str]) -> tuple[int, float, str | None, int | None, list[str]]:
-    """(workers, grace_seconds, network or None for the default, gpus_per_worker or None to
-    leave CUDA_VISIBLE_DEVICES as it is, the flags for tfdp)."""
-    workers, grace, network, gpus_per_worker, passed = (
-        DEFAULT_WORKERS,
-        DEFAULT_GRACE_SECONDS,
-        None,
-        None,
-        [],
-    )
+@dataclasses.dataclass
+class Settings:
+    """tfdp-launch's own flags; `flags`: the rest, for tfdp."""
+
+    workers: int = DEFAULT_WORKERS
+    grace_seconds: float = DEFAULT_GRACE_SECONDS
+    network: str | None = None  # None: isolated where Linux allows it
+    gpus_per_worker: int | None = None  # None: CUDA_VISIBLE_DEVICES left as it is
+    discover: str | None = None
+    discover_every: float = 5.0
+    min_workers: int = 1
+    max_workers: int | None = None
+    max_restarts: int | None = None  # None: 3 with --discover, else 0
+    wait_seconds: float = 600.0
+    cooldown_seconds: float = 60.0
+    ssh: str = DEFAULT_SSH
+    flags: list[str] = dataclasses.field(default_factory=list)
+
+    def policy(self) -> Policy:
+        restarts = self.max_restarts
+        if restarts is None:
+            restarts = DEFAULT_ELASTIC_RESTARTS if self.discover else 0
+        fixed = self.discover is None
+        return Policy(
+            min_workers=self.workers if fixed else self.min_workers,
+            max_workers=self.workers if fixed else self.max_workers,
+            max_restarts=restarts,
+            wait_seconds=self.wait_seconds,
+            cooldown_seconds=self.cooldown_seconds,
+            grace_seconds=self.grace_seconds,
+            discovering=not fixed,
+        )
+
+
+def _count(arg: str, value: str, least: int, what: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = least - 1
+    if number < least:
+        kind = "a positive integer" if least == 1 else f"an integer, {least} or more"
+        raise UsageError(arg, f"must be {kind}{what}")
+    return number
+
+
+def _seconds(arg: str, value: str, least: float = 0.0) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not least <= seconds < float("inf"):
+        raise UsageError(arg, f"must be a number of seconds, {least:g} or more")
+    return seconds
+
+
+ELASTIC_ONLY = ("--min_workers", "--max_workers", "--discover_every", "--wait_seconds")
+
+
+def parse_args(argv: list[str]) -> Settings:
+    """tfdp-launch's flags (raises UsageError naming a bad one)."""
+    settings, given = Settings(), set()
     for arg in argv:
         name, _, value = arg.partition("=")
+        given.add(name)
         if name == "--gpus_per_worker":
-            try:
-                gpus_per_worker = int(value)
-            except ValueError:
-                raise UsageError(arg, "must be a positive integer") from None
-            if gpus_per_worker < 1:
-                raise UsageError(arg, "must be a positive integer: the GPUs each worker gets")
+            settings.gpus_per_worker = _count(arg, value, 1, ": the GPUs each worker gets")
         elif name == "--workers":
-            try:
-                workers = int(value)
-            except ValueError:
-                raise UsageError(arg, "must be a positive integer") from None
-            if workers < 1:
-                raise UsageError(arg, "must be a positive integer; each worker is one process")
+            settings.workers = _count(arg, value, 1, "; each worker is one process")
+        elif name == "--min_workers":
+            settings.min_workers = _count(arg, value, 1, "")
+        elif name == "--max_workers":
+            settings.max_workers = _count(arg, value, 1, "")
+        elif name == "--max_restarts":
+            settings.max_restarts = _count(arg, value, 0, "")
         elif name == "--grace_seconds":
-            try:
-                grace = float(value)
-            except ValueError:
-                raise UsageError(arg, "must be a number of seconds") from None
-            if not 0 <= grace < float("inf"):
-                raise UsageError(arg, "must be a number of seconds, 0 or more")
+            settings.grace_seconds = _seconds(arg, value)
+        elif name == "--discover_every":
+            settings.discover_every = _seconds(arg, value, 0.1)
+        elif name == "--wait_seconds":
+            settings.wait_seconds = _seconds(arg, value)
+        elif name == "--cooldown_seconds":
+            settings.cooldown_seconds = _seconds(arg, value)
+        elif name == "--discover":
+            if not value.strip():
+                raise UsageError(arg, "needs a command that prints HOST or HOST:SLOTS lines")
+            settings.discover = value
+        elif name == "--ssh":
+            if not shlex.split(value):
+                raise UsageError(arg, "needs a command, e.g. --ssh='ssh -p 2222'")
+            settings.ssh = value
         elif name == "--network":
             if value not in NETWORKS:
                 raise UsageError(arg, f"must be one of {', '.join(NETWORKS)}")
-            network = value
+            settings.network = value
         elif name == "--mode" and value != "multiworker":
             raise UsageError(arg, "tfdp-launch runs mode multiworker")
         elif not arg.startswith("-"):
             raise UsageError(arg, "unexpected argument; flags take the form --name=value")
         else:
-            passed.append(arg)
-    if not any(arg.startswith("--mode=") for arg in passed):
-        passed.insert(0, "--mode=multiworker")
-    return workers, grace, network, gpus_per_worker, passed
+            given.discard(name)
+            settings.flags.append(arg)
+    if settings.discover is None:
+        for name in ELASTIC_ONLY:
+            if name in given:
+                raise UsageError(_given(argv, name), "needs --discover (the hosts to run on)")
+    elif "--workers" in given:
+        raise UsageError(
+            _given(argv, "--workers"), "with --discover, discovery says how many (--max_workers)"
+        )
+    if settings.max_workers is not None and settings.max_workers < settings.min_workers:
+        raise UsageError(
+            _given(argv, "--max_workers"),
+            f"is less than --min_workers={settings.min_workers}",
+        )
+    if not any(arg.startswith("--mode=") for arg in settings.flags):
+        settings.flags.insert(0, "--mode=multiworker")
+    return settings
+
+
+def _given(argv: list[str], name: str) -> str:
+    return next(arg for arg in argv if arg.partition("=")[0] == name)
 
 
 def split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
@@ -128,7 +221,24 @@ def check_command(command: list[str], flags: list[str]) -> None:
         raise UsageError("--", "needs a command after it, e.g. -- python3 train.py")
     extra = [flag for flag in flags if flag != "--mode=multiworker"]
     if extra:
-        raise UsageError(extra[0], "is a tfdp flag; with -- COMMAND, give the command its own arguments")
+        raise UsageError(
+            extra[0], "is a tfdp flag; with -- COMMAND, give the command its own arguments"
+        )
+
+
+def check_resumable(settings: Settings) -> None:
+    """UsageError for tfdp workers that may be started again without a --model_dir to
+    resume from."""
+    restarts = settings.policy().max_restarts
+    if (settings.discover or restarts) and not any(
+        flag.startswith("--model_dir=") and flag != "--model_dir=" for flag in settings.flags
+    ):
+        given = (
+            f"--discover={settings.discover}" if settings.discover else f"--max_restarts={restarts}"
+        )
+        raise UsageError(
+            given, "needs --model_dir, where the workers started again resume the run from"
+        )
 
 
 def visible_gpus(environ) -> list[str] | None:
@@ -165,160 +275,6 @@ def check_gpus(workers: int, gpus_per_worker: int, gpus: list[str] | None) -> No
         )
 
 
-def worker_environment(
-    environ, tf_config: str, index: int, gpus_per_worker: int | None = None, gpus=None
-) -> dict[str, str]:
-    """Worker `index`'s environment: `environ` with its TF_CONFIG, unbuffered output, and,
-    with `gpus_per_worker` K, CUDA_VISIBLE_DEVICES naming its own K GPUs: entries
-    index*K .. index*K+K-1 of `gpus` (the launcher's visible GPUs; None: GPUs 0, 1, ...).
-    Without `gpus_per_worker`, CUDA_VISIBLE_DEVICES is left as it is."""
-    env = dict(environ, TF_CONFIG=tf_config, PYTHONUNBUFFERED="1")
-    if gpus_per_worker:
-        first = index * gpus_per_worker
-        own = range(first, first + gpus_per_worker)
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) if gpus is None else gpus[i] for i in own)
-    return env
-
-
-CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
-SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
-
-
-def isolate_network() -> None:
-    """Moves this process into a new network namespace that has only loopback, up.
-
-    The workers started afterwards inherit it. Without the privilege for a
-    network namespace, a user namespace of this user's own grants it where
-    the kernel allows that. Raises OSError saying why it cannot be done.
-    """
-    if sys.platform != "linux":
-        raise OSError(f"network namespaces are a Linux feature; this is {sys.platform}")
-    try:
-        _unshare(CLONE_NEWNET)
-    except PermissionError as refused:
-        uid, gid = os.getuid(), os.getgid()
-        try:
-            _unshare(CLONE_NEWUSER | CLONE_NEWNET)  # single-threaded processes only
-            for name, text in (
-                ("setgroups", "deny"),
-                ("uid_map", f"{uid} {uid} 1"),
-                ("gid_map", f"{gid} {gid} 1"),
-            ):
-                with open(f"/proc/self/{name}", "w") as file:
-                    file.write(text)
-        except OSError as error:
-            raise OSError(
-                f"unshare: {refused.strerror}; in a user namespace: {error.strerror}"
-            ) from None
-    except OSError as error:
-        raise OSError(f"unshare: {error.strerror}") from None
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        ifreq = struct.pack("16sH22x", b"lo", 0)
-        flags = struct.unpack_from("16sH", fcntl.ioctl(s, SIOCGIFFLAGS, ifreq))[1]
-        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | IFF_UP))
-
-
-def _unshare(flags: int) -> None:
-    """libc unshare(2): Python 3.11 has no os.unshare."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(flags) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, os.strerror(errno))
-
-
-def free_ports(n: int) -> list[int]:
-    """N distinct loopback ports that were free a moment ago."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def tf_configs(ports: list[int]) -> list[str]:
-    """One TF_CONFIG per worker: the same cluster, each its own task index."""
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
-    return [
-        json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
-        for i in range(len(ports))
-    ]
-
-
-def _stream(source, sink, prefix: str, lock: threading.Lock, seen=None) -> None:
-    """Copies a worker's output (bytes) to `sink` line by line, up to EOF.
-
-    It never stops early, whatever the bytes or the sink: a worker whose pipe
-    is no longer read blocks once the pipe is full. `seen` is called with
-    every line.
-    """
-    for raw in source:
-        line = raw.decode("utf-8", errors="replace")
-        line = prefix + (line if line.endswith("\n") else line + "\n")
-        if seen is not None:
-            seen(line)
-        try:
-            with lock:
-                try:
-                    sink.write(line)
-                except UnicodeEncodeError:  # a sink that cannot write U+FFFD
-                    sink.write(line.encode("ascii", "backslashreplace").decode("ascii"))
-                sink.flush()
-        except (OSError, ValueError):  # the sink is closed or broken: the line is lost
-            pass
-
-
-def _status_text(code: int) -> str:
-    if code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exit status {code}"
-
-
-class _Workers:
-    """The processes of one start of the cluster, and the threads that copy their output."""
-
-    def __init__(
-        self, count: int, flags: list[str], lock: threading.Lock, gpus_per_worker, gpus, command
-    ):
-        self.port_taken = [False] * count
-        self.processes, self.threads = [], []
-        for i, tf_config in enumerate(tf_configs(free_ports(count))):
-            self.processes.append(
-                subprocess.Popen(
-                    command or [sys.executable, "-m", "tfdp", *flags],
-                    env=worker_environment(os.environ, tf_config, i, gpus_per_worker, gpus),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    start_new_session=True,  # Ctrl-C reaches the launcher, which passes it on once
-                    preexec_fn=_die_with_parent,  # noqa: PLW1509 (before any thread starts)
-                )
-            )
-        for i, process in enumerate(self.processes):
-            prefix = f"[worker {i}] "
-            self._copy(process.stdout, sys.stdout, prefix, lock)
-            self._copy(process.stderr, sys.stderr, prefix, lock, self._watch(i))
-
-    def _copy(self, *args) -> None:
-        thread = threading.Thread(target=_stream, args=args, daemon=True)
-        thread.start()
-        self.threads.append(thread)
-
-    def _watch(self, i: int):
-        def seen(line: str) -> None:
-            if PORT_TAKEN in line:
-                self.port_taken[i] = True
-
-        return seen
-
-    def join(self, seconds: float = 5) -> None:
-        """Waits for the output of exited workers to be copied."""
-        deadline = time.monotonic() + seconds
-        for thread in self.threads:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
-
-
 def launch(
     workers: int,
     flags: list[str],
@@ -327,10 +283,21 @@ def launch(
     gpus: list[str] | None = None,
     command: list[str] | None = None,
 ) -> int:
-    """Runs the cluster (of `command`, else of the tfdp command with `flags`); returns 0, the first failing worker's status (128 + N for signal N),
-    or 128 + N when signal N (SIGTERM, SIGINT) stopped it.
+    """`workers` workers on this machine, run to their end: `supervise` with a fixed
+    cluster that is not started again (as `tfdp-launch --workers=N`)."""
+    settings = Settings(
+        workers=workers, grace_seconds=grace_seconds, gpus_per_worker=gpus_per_worker, flags=flags
+    )
+    return supervise(settings, gpus, command)
 
-    gpus_per_worker, gpus: as in `worker_environment`.
+
+def supervise(settings: Settings, gpus=None, command: list[str] | None = None) -> int:
+    """Runs the cluster (of `command`, else of the tfdp command with the settings' flags)
+    to its end, through restarts (`elastic.Supervisor`). Returns 0, the status of the
+    failure that ended it (128 + N for a worker killed by signal N), or 128 + N when
+    signal N (SIGTERM, SIGINT) stopped it.
+
+    gpus: the GPUs the workers on this machine share (`visible_gpus`).
 
     Call it from the main thread: it handles SIGTERM and SIGINT until it returns.
     """
@@ -344,115 +311,32 @@ def launch(
         with lock:
             print(f"tfdp-launch: {text}", file=sys.stderr, flush=True)
 
-    try:
-        status = _supervise(
-            _Workers(workers, flags, lock, gpus_per_worker, gpus, command),
-            grace_seconds,
-            received,
-            say,
-            retry=True,
-        )
-        if status is None:  # a port was taken between choosing and binding it: once more
-            status = _supervise(
-                _Workers(workers, flags, lock, gpus_per_worker, gpus, command),
-                grace_seconds,
-                received,
-                say,
+    worker_command = command or [sys.executable, "-m", "tfdp", *settings.flags]
+    ssh = Ssh(shlex.split(settings.ssh))
+
+    def start(hosts, env):
+        return Cluster(hosts, worker_command, lock, env, ssh, settings.gpus_per_worker, gpus)
+
+    if settings.discover is None:
+        discovery = Discovery(static=[("localhost", settings.workers)])
+    else:
+        isolated = settings.network == "isolated"
+        discovery = Discovery(settings.discover, settings.discover_every, isolated, say)
+        first, error = discovery.latest()
+        if error or discovery.dropped:
+            discovery.close()
+            reason = error or (
+                f"offers {', '.join(sorted(discovery.dropped))}, which workers in an isolated "
+                "network cannot reach; --network=host runs them on this machine's network"
             )
-        return status
+            say(f"error: --discover={settings.discover}: {reason}")
+            return 2
+    try:
+        return Supervisor(settings.policy(), discovery, start, say, received).run()
     finally:
+        discovery.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-
-
-def _supervise(cluster: _Workers, grace_seconds, received, say, retry=False) -> int | None:
-    """Waits for the workers; the exit status, or None to start them again on new ports."""
-    processes = cluster.processes
-    status, deadline, forwarded = 0, None, None
-    while True:
-        codes = [p.poll() for p in processes]
-        if received and forwarded is None:
-            forwarded = received[0]
-            name = signal.Signals(forwarded).name
-            say(
-                f"{name} received; passing it to the workers, which are killed "
-                f"if still running in {grace_seconds:g} s"
-            )
-            for p in processes:
-                if p.poll() is None:
-                    p.send_signal(forwarded)
-            status = status or 128 + forwarded
-            deadline = time.monotonic() + grace_seconds
-        failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
-        if failed and status == 0:
-            i, code = failed[0]
-            for thread in cluster.threads[2 * i : 2 * i + 2]:  # its last words, to EOF
-                thread.join(timeout=5)
-            if retry and cluster.port_taken[i]:
-                say(
-                    f"worker {i} could not listen on its port, taken since it was chosen; "
-                    "starting the workers again on new ports"
-                )
-                _kill(processes)
-                cluster.join()
-                return None
-            status = 128 - code if code < 0 else code
-            deadline = time.monotonic() + grace_seconds
-            running = None in codes
-            say(
-                f"worker {i} failed ({_status_text(code)})"
-                + (
-                    f"; the others are stopped if still running in {grace_seconds:g} s"
-                    if running
-                    else ""
-                )
-            )
-        if all(code is not None for code in codes):
-            break
-        if deadline is not None and time.monotonic() > deadline:
-            if forwarded is None:
-                _stop(processes, say)
-            else:
-                _wait_or_kill(processes, 0, say)
-            break
-        time.sleep(0.1)
-    cluster.join()
-    return status
-
-
-def _stop(processes, say) -> None:
-    # SIGINT, not SIGTERM: once a worker has joined the cluster, TensorFlow's own
-    # SIGTERM handler (a preemption notice for the coordination service) only
-    # records the signal, so outside tfdp's training loop SIGTERM does nothing.
-    running = [i for i, p in enumerate(processes) if p.poll() is None]
-    say(f"stopping worker(s) {', '.join(map(str, running))}")
-    for i in running:
-        processes[i].send_signal(signal.SIGINT)
-    _wait_or_kill(processes, 5, say)
-
-
-def _kill(processes) -> None:
-    for p in processes:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-
-
-def _die_with_parent() -> None:
-    """In the worker, before exec: SIGKILL when the launcher dies, so no worker is left behind."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-
-
-def _wait_or_kill(processes, seconds: float, say) -> None:
-    deadline = time.monotonic() + seconds
-    for i, p in enumerate(processes):
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            say(f"worker {i} did not stop; killing it")
-            p.kill()
-            p.wait()
 
 
 NETWORK_HELP = """\
@@ -470,41 +354,63 @@ GPUS_HELP = """\
 
 
 LAUNCH_HELP = f"""\
-  --workers=N         processes to start, one worker each (default {DEFAULT_WORKERS})
+  --workers=N         processes to start on this machine, one worker each (default {DEFAULT_WORKERS})
+  --max_restarts=N    start the workers again after a worker is killed or loses the
+                      cluster, up to N times (default 0; {DEFAULT_ELASTIC_RESTARTS} with --discover);
+                      the run resumes from its --model_dir
   --grace_seconds=S   after a worker fails, how long the others may take to stop
                       before they are interrupted, then killed (default {DEFAULT_GRACE_SECONDS:g})
   tfdp flags          every other flag goes to each worker's tfdp --mode=multiworker
                       (tfdp --help lists them)"""
+ELASTIC_HELP = f"""\
+  --discover=COMMAND  elastic: a shell command that prints the hosts available now,
+                      one per line, HOST or HOST:SLOTS (localhost:2 is two workers
+                      here); the cluster starts again when what it offers changes
+  --discover_every=S  seconds between two runs of the command (default 5)
+  --min_workers=N     fewer offered: wait for discovery (default 1)
+  --max_workers=N     the most workers to start (default: every slot offered)
+  --wait_seconds=S    how long to wait below --min_workers before giving up (default 600)
+  --cooldown_seconds=S a host whose workers failed twice is left out S seconds, twice
+                      as long after each further failure (default 60)
+  --ssh=COMMAND       how to start a worker on another host (default '{DEFAULT_SSH}');
+                      needs --network=host"""
 
 
 def run() -> None:
     """Console-script entry point."""
     if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
-        print(__doc__.strip() + "\n\n" + "\n".join((USAGE, LAUNCH_HELP, NETWORK_HELP, GPUS_HELP)))
+        helps = (USAGE, LAUNCH_HELP, ELASTIC_HELP, NETWORK_HELP, GPUS_HELP)
+        print(__doc__.strip() + "\n\n" + "\n".join(helps))
         return
     gpus = None
     argv, command = split_command(sys.argv[1:])
     try:
-        workers, grace, network, gpus_per_worker, flags = parse_args(argv)
+        settings = parse_args(argv)
         if command is not None:
-            check_command(command, flags)
-        if gpus_per_worker:
+            check_command(command, settings.flags)
+        else:
+            check_resumable(settings)
+        if settings.gpus_per_worker:
             gpus = visible_gpus(os.environ)
-            check_gpus(workers, gpus_per_worker, gpus)
+            if settings.discover is None:
+                check_gpus(settings.workers, settings.gpus_per_worker, gpus)
     except UsageError as error:
         print(f"tfdp-launch: error: {error}", file=sys.stderr)
         sys.exit(2)
-    if gpus_per_worker and gpus is None:
+    per_worker = settings.gpus_per_worker
+    if per_worker and gpus is None:
         print(
             "tfdp-launch: note: cannot count the GPUs here (no CUDA_VISIBLE_DEVICES, no "
-            f"nvidia-smi); giving worker i GPUs i*{gpus_per_worker} .. "
-            f"i*{gpus_per_worker}+{gpus_per_worker - 1} as asked",
+            f"nvidia-smi); giving worker i GPUs i*{per_worker} .. "
+            f"i*{per_worker}+{per_worker - 1} as asked",
             file=sys.stderr,
             flush=True,
         )
+    network = settings.network
     if network != "host":
         try:
             isolate_network()
+            settings.network = "isolated"
         except OSError as error:
             if network == "isolated":
                 print(
@@ -521,7 +427,7 @@ def run() -> None:
                 file=sys.stderr,
                 flush=True,
             )
-    sys.exit(launch(workers, flags, grace, gpus_per_worker, gpus, command))
+    sys.exit(supervise(settings, gpus, command))
 
 
 if __name__ == "__main__":

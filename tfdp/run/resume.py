@@ -14,6 +14,7 @@ from tfdp.config import AUTO, Config
 from tfdp.data import bad_data, streams
 from tfdp.data.epochs import Cursor
 from tfdp.errors import ConfigError
+from tfdp.run.hooks.membership import after_a_change
 from tfdp.run.hooks.report import learning_rate, schedule_of
 from tfdp.run.plan import Plan
 
@@ -42,8 +43,11 @@ def resumed_shares(config: Config, trainer, checkpointer) -> dict | None:
     """The split a resumed run continues with: the one saved with its checkpoint, when
     the split was measured (auto powers or rebalancing) and the devices are the same.
 
-    Any split makes the same update; this only spares the run measuring again.
+    Any split makes the same update; this only spares the run measuring again. After a
+    change of the cluster's members (tfdp-launch), the shares are measured again.
     """
+    if after_a_change():
+        return None
     if not trainer.split.balanced or not (config.powers == AUTO or config.rebalance_every):
         return None
     saved = checkpointer.saved_shares()

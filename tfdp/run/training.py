@@ -27,6 +27,7 @@ from tfdp.run.hooks.checkpointing import Checkpoints
 from tfdp.run.hooks.evaluation import Evaluation, evaluate  # noqa: F401 (tfdp.run.training.evaluate)
 from tfdp.run.hooks.finite import FiniteGuard, NonFinite  # noqa: F401 (the CLI catches NonFinite)
 from tfdp.run.hooks.keras import KerasCallbacks, finalize
+from tfdp.run.hooks.membership import Membership, changes
 from tfdp.run.hooks.report import ProgressLine, TutorialLog, learning_rate
 from tfdp.run.hooks.stopping import StopOnSignal
 from tfdp.run.hooks.summaries import TrainSummaries
@@ -155,7 +156,9 @@ def run_trainer(plan: Plan, trainer, log, callbacks, verbose, validation) -> dic
         # after the split is set
         state.iterator, state.input_note = stream_iterator(plan, trainer, checkpointer, cursor)
         state.seek_input = lambda cursor: stream_iterator(plan, trainer, None, cursor)[0]
-        summaries = Summaries(config.model_dir) if config.model_dir and trainer.exchange.is_chief else None
+        summaries = (
+            Summaries(config.model_dir) if config.model_dir and trainer.exchange.is_chief else None
+        )
         guard = FiniteGuard(checkpointer) if config.finite_guard else None
         checkpoints = Checkpoints(checkpointer, guard) if checkpointer else None
         rebalancing = trainer.balancer.rebalancing(config.rebalance_every, state.say, probe)
@@ -167,8 +170,12 @@ def run_trainer(plan: Plan, trainer, log, callbacks, verbose, validation) -> dic
             if checkpointer:
                 keras_callbacks.saved_state = checkpointer.state.restored.get("keras")
                 checkpointer.state.providers["keras"] = keras_callbacks.state
+        history = changes()
         hooks = Hooks(
             [
+                Membership(history, config.model_dir, trainer.exchange.is_chief)
+                if history
+                else None,
                 guard,
                 TutorialLog(running=keras_callbacks is not None),
                 Rebalance(rebalancing) if rebalancing else None,
@@ -184,9 +191,7 @@ def run_trainer(plan: Plan, trainer, log, callbacks, verbose, validation) -> dic
             train_loop(state, hooks)
         except bad_data.ValidationFailed as failed:
             data = plan.test_data if plan.test_data is not None else validation[0]
-            raise DataError(
-                validation_failure(data, state, failed.error, checkpointer)
-            ) from None
+            raise DataError(validation_failure(data, state, failed.error, checkpointer)) from None
         except tf.errors.OpError as error:
             # (arrays held in memory have no record to go bad)
             if plan.train_data.held is not None or not reading_input(error):
@@ -245,6 +250,7 @@ def result_of(state: Run, split_info: dict) -> FitResult:
             "reduce": config.reduce if config.mode == "weighted" else None,
             **split_info,
             "rebalances": state.result.get("rebalances", []),
+            "membership": state.result.get("membership"),  # under tfdp-launch's supervision
             "device_seconds": state.result.get("device_seconds"),
             "batch_size": config.batch_size,
             "iterations": plan.total_steps,
