@@ -268,9 +268,10 @@ def free_port_pair():
 
 
 @pytest.mark.slow
-def test_two_slurm_tasks_make_the_update_of_single(tmp_path):
+def test_two_slurm_tasks_make_the_update_of_single_and_a_requeue_on_one_resumes(tmp_path):
     """Two tasks of a 2-task step on this host, started as srun starts them, with uneven
-    powers and rebalancing: the update of single, each task's share, the chief's writes."""
+    powers and rebalancing: the update of single, each task's share, the chief's writes.
+    Then the job requeued with one task: it resumes, and ends as single does."""
     host, base = socket.gethostname(), free_port_pair()
     flags = [
         "--mode=multiworker",
@@ -307,3 +308,22 @@ def test_two_slurm_tasks_make_the_update_of_single(tmp_path):
     for got, expected in zip(saved["log"], result(str(tmp_path / "single"))["log"], strict=True):
         assert got["accuracy"] == expected["accuracy"]
         assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+
+    # `sbatch --requeue` of a job given --nodes=1-2 after a preemption: the job's script runs
+    # again from its start, with one task now, and srun's variables say so; the run resumes.
+    # (A job whose task count may change measures its powers: --powers=auto, or none.)
+    again = [flag for flag in flags if not flag.startswith("--powers=")]
+    [(status, stdout, stderr)] = run_together(
+        [[sys.executable, "-m", "tfdp", *again, "--powers=auto", "--iterations=6"]],
+        [environment(**step(0, host, "1", 1, host, 0, SLURM_RESTART_COUNT="1"))],
+        timeout=300,
+    )
+    assert status == 0, stderr[-2000:]
+    assert "resuming at iteration 3 from" in stdout
+    requeued = result(str(tmp_path / "slurm"))
+    assert requeued["devices"] == ["worker:0"] and requeued["start_iteration"] == 3
+    train(dataclasses.replace(single, iterations=6, model_dir=str(tmp_path / "single6")))
+    for got, expected in zip(
+        load_weights(tmp_path / "slurm"), load_weights(tmp_path / "single6"), strict=True
+    ):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)

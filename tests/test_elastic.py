@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import environment, latest_step, load_weights, result, train
+from helpers import environment, latest_step, load_weights, refusal, result, train
 
 from tfdp import Config
 from tfdp.cluster.hosts import DiscoveryError, Health, members, parse_hosts
@@ -144,7 +144,10 @@ def test_restarts_need_a_model_dir_to_resume_from():
         check_resumable(parse_args(["--discover=cat h", "--model=toy"]))
     with pytest.raises(UsageError, match="--max_restarts=2: needs --model_dir"):
         check_resumable(parse_args(["--max_restarts=2"]))
-    check_resumable(parse_args(["--discover=cat h", "--model_dir=/tmp/x"]))
+    with pytest.raises(UsageError, match="--powers=1,3: gives each worker a power"):
+        check_resumable(parse_args(["--discover=cat h", "--model_dir=/m", "--powers=1,3"]))
+    check_resumable(parse_args(["--discover=cat h", "--model_dir=/m", "--powers=auto"]))
+    check_resumable(parse_args(["--max_restarts=1", "--model_dir=/m", "--powers=1,3"]))
     check_resumable(parse_args(["--workers=2"]))  # a fixed cluster that is not restarted
     assert parse_args(["--discover=cat h"]).policy().max_restarts == 3
     assert parse_args(["--workers=2"]).policy().max_restarts == 0
@@ -487,3 +490,10 @@ def test_two_workers_a_sigkill_one_then_three_is_the_run_of_one_device(tmp_path)
         np.allclose(later, expected, rtol=1e-5, atol=1e-7)
         for later, expected in zip(one_device[STEPS + 1], one_device[STEPS], strict=True)
     )
+
+
+def test_rebalancing_one_device_is_refused_where_the_user_chose_the_devices():
+    # (one worker of a cluster trains on: the platform chose its size; see the Slurm requeue
+    # in test_cluster_sources.py)
+    _, line = refusal("--mode=single", "--model=toy", "--rebalance_every=2")
+    assert line == "tfdp: error: --rebalance_every=2: needs at least two devices to balance"

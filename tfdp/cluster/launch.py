@@ -228,7 +228,14 @@ def check_command(command: list[str], flags: list[str]) -> None:
 
 def check_resumable(settings: Settings) -> None:
     """UsageError for tfdp workers that may be started again without a --model_dir to
-    resume from."""
+    resume from, or with powers for a number of workers that discovery may change."""
+    powers = [flag for flag in settings.flags if flag.startswith("--powers=")]
+    if settings.discover and powers and powers[-1] != "--powers=auto":
+        raise UsageError(
+            powers[-1],
+            "gives each worker a power, and discovery changes the workers; --powers=auto "
+            "measures them at every start (or leave it out: even shares)",
+        )
     restarts = settings.policy().max_restarts
     if (settings.discover or restarts) and not any(
         flag.startswith("--model_dir=") and flag != "--model_dir=" for flag in settings.flags

@@ -169,7 +169,9 @@ def check_balancing(config: Config, devices: list[str]) -> None:
             f"names {', '.join(outside)}, which this run does not use "
             f"({', '.join(short_name(d) for d in devices)})",
         )
-    if config.rebalance_every and len(devices) < 2:
+    # a cluster's size is the platform's to choose (a requeue, a launcher's restart): one
+    # worker has nothing to balance, and trains on
+    if config.rebalance_every and len(devices) < 2 and config.mode != "multiworker":
         raise ConfigError(
             "rebalance_every", config.rebalance_every, "needs at least two devices to balance"
         )

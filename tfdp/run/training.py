@@ -161,7 +161,11 @@ def run_trainer(plan: Plan, trainer, log, callbacks, verbose, validation) -> dic
         )
         guard = FiniteGuard(checkpointer) if config.finite_guard else None
         checkpoints = Checkpoints(checkpointer, guard) if checkpointer else None
-        rebalancing = trainer.balancer.rebalancing(config.rebalance_every, state.say, probe)
+        rebalancing = (
+            trainer.balancer.rebalancing(config.rebalance_every, state.say, probe)
+            if len(plan.devices) > 1
+            else None
+        )
         keras_callbacks = None
         if callbacks is not None:
             keras_callbacks = KerasCallbacks(
