@@ -495,5 +495,5 @@ def test_two_workers_a_sigkill_one_then_three_is_the_run_of_one_device(tmp_path)
 def test_rebalancing_one_device_is_refused_where_the_user_chose_the_devices():
     # (one worker of a cluster trains on: the platform chose its size; see the Slurm requeue
     # in test_cluster_sources.py)
-    _, line = refusal("--mode=single", "--model=toy", "--rebalance_every=2")
+    _, line = refusal("--mode=weighted", "--model=toy", "--devices=CPU:0", "--rebalance_every=2")
     assert line == "tfdp: error: --rebalance_every=2: needs at least two devices to balance"
