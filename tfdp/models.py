@@ -67,7 +67,7 @@ def pool_first_lenet(model):
     tanh is increasing, so max(tanh(a), tanh(b)) = tanh(max(a, b)): the same
     function, with tanh and its gradient on a quarter of the values. Measured
     by `python -m tfdp.bench.steps --variant=pool_first`; not used by the modes
-    (BUILD_NOTES, "The other things tried").
+    (BUILD_NOTES, "oneDNN's CPU kernels: on by default").
     """
     layers = []
     for layer in model.layers:

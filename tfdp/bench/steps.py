@@ -1,6 +1,6 @@
 """`python -m tfdp.bench.steps`: variants of one single-device training step, timed.
 
-The table in BUILD_NOTES ("The other things tried") comes from this: LeNet,
+The figures in BUILD_NOTES ("oneDNN's CPU kernels: on by default") come from this: LeNet,
 batch 1024, one variant per process, warm-up first, then `--iterations` timed
 steps. Run the variants interleaved, one process each:
 

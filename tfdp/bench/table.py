@@ -14,7 +14,9 @@ unequal speed instead (tfdp/bench/mixed.py); `--suite=gpu` single GPU,
 mirrored over all GPUs and a GPU with the CPU (tfdp/bench/gpu.py);
 `--suite=cluster` 2 workers, one slowed, split evenly against rebalanced
 (tfdp/bench/cluster.py); `--suite=streaming` a small ResNet on TFRecord files
-through a tf.data pipeline, tfdp beside Keras fit (tfdp/bench/streaming.py).
+through a tf.data pipeline, tfdp beside Keras fit (tfdp/bench/streaming.py);
+`--suite=elastic` the seconds a change of a cluster's members costs
+(tfdp/bench/elastic.py).
 """
 
 from __future__ import annotations
@@ -85,15 +87,17 @@ def define_flags() -> None:
     flags.DEFINE_enum(
         "suite",
         "scaling",
-        ["scaling", "mixed", "switches", "gpu", "cluster", "streaming"],
+        ["scaling", "mixed", "switches", "gpu", "cluster", "streaming", "elastic"],
         "scaling: the tutorial's table over device counts; mixed: splits over unequal devices; "
         "switches: --jit_compile and each --precision against the plain step, at each of "
         "--device_counts (single at 1, mirrored above); gpu: one GPU, all GPUs, GPU+CPU, each "
         "beside Keras fit (logical CPUs stand in without a GPU); cluster: 2 workers, "
         "--cluster_slowdown, even split against rebalancing; streaming: a small ResNet on "
         "CIFAR-shaped TFRecord files through a tf.data pipeline, tfdp beside Keras fit (its "
-        "own defaults: --batch_size=128, --iterations=30).",
+        "own defaults: --batch_size=128, --iterations=30); elastic: the seconds from a change of "
+        "a cluster's members to its next trained step, under tfdp-launch --discover.",
     )
+    flags.DEFINE_integer("elastic_checkpoint_every", 20, "elastic: the run's --checkpoint_every.")
     flags.DEFINE_integer(
         "stream_examples",
         8192,
@@ -318,9 +322,7 @@ def as_training_data(arrays, config):
     """Arrays as a run reads its training data, for the balancer (`arrays.as_stream`)."""
     from tfdp.data.arrays import as_stream
 
-    return as_stream(
-        arrays, config.batch_size, config.seed, config.drop_remainder, config.shuffle
-    )
+    return as_stream(arrays, config.batch_size, config.seed, config.drop_remainder, config.shuffle)
 
 
 def time_tutorial_run(trainer, config, arrays, job: dict, rebalancing=None) -> dict:
@@ -810,6 +812,13 @@ def main(argv) -> None:
         return
     if FLAGS.suite == "streaming":
         run_streaming()
+        return
+    if FLAGS.suite == "elastic":
+        from tfdp.bench import elastic as bench_elastic
+
+        bench_elastic.run(
+            mnist_dir, FLAGS.rounds, FLAGS.batch_size, FLAGS.elastic_checkpoint_every, FLAGS.json
+        )
         return
     counts = [int(c) for c in FLAGS.device_counts]
     job = {
