@@ -21,7 +21,7 @@ import pytest
 from helpers import environment, latest_step, load_weights, refusal, result, train
 
 from tfdp import Config
-from tfdp.cluster.hosts import DiscoveryError, Health, members, parse_hosts
+from tfdp.cluster.hosts import Discovery, DiscoveryError, Health, members, parse_hosts
 from tfdp.cluster.launch import Settings, UsageError, check_resumable, parse_args, supervise
 from tfdp.run.hooks.membership import FILE, Membership, after_a_change, changes
 
@@ -158,7 +158,8 @@ def test_a_killed_worker_restarts_the_cluster_with_what_discovery_offers_then(wo
     hosts.write_text("localhost:2\n")
     # start 0: worker 1 is killed, once discovery offers one worker; start 1 ends well
     acts = {"0/0": "wait", "0/1": "kill offering localhost:1"}
-    status = supervise(settings(hosts, max_restarts=1), command=command(acts))
+    # discovery's own round comes every 60 s: the restart asks it again, now
+    status = supervise(settings(hosts, max_restarts=1, discover_every=60), command=command(acts))
     err = capsys.readouterr().err
     assert status == 0, err
     assert own_lines(err) == [
@@ -497,3 +498,22 @@ def test_rebalancing_one_device_is_refused_where_the_user_chose_the_devices():
     # in test_cluster_sources.py)
     _, line = refusal("--mode=weighted", "--model=toy", "--devices=CPU:0", "--rebalance_every=2")
     assert line == "tfdp: error: --rebalance_every=2: needs at least two devices to balance"
+
+
+def test_this_machines_slots_are_capped_by_its_gpus():
+    said = []
+    discovery = Discovery("echo localhost:4; echo node-a:2", 60, say=said.append, local_slots=2)
+    discovery.close()
+    assert discovery.latest() == ([("localhost", 2), ("node-a", 2)], None)
+    assert said == [
+        "warning: discovery offers localhost:4; this machine's GPUs make room for 2 "
+        "worker(s) (--gpus_per_worker)"
+    ]
+
+
+def test_a_start_that_resumes_at_the_runs_end_is_listed_without_seconds(tmp_path):
+    history = [{"restart": 0, "at": time.time(), "cause": "start", "members": ["a"]}]
+    run = FakeRun(300)
+    Membership(history, str(tmp_path), chief=True).on_train_end(run)
+    [entry] = run.result["membership"]
+    assert (entry["step"], entry["seconds_to_step"]) == (300, None)

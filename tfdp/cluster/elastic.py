@@ -109,7 +109,7 @@ class Supervisor:
             outcome = self.watch(cluster, hosts, port_retry, restarting)
             if outcome.kind in ("done", "stopped", "ended"):
                 return outcome.status
-            if outcome.kind == "port":  # not a change of members: the same start again
+            if outcome.kind == "port":  # not a change of members: the same start again, once
                 port_retry = False
                 self.changes.pop()
                 continue
@@ -129,7 +129,7 @@ class Supervisor:
                             f"--max_restarts={policy.max_restarts}; the latest checkpoint stands"
                         )
                     return outcome.status
-            cause, at = outcome.cause, outcome.at
+            cause, at, port_retry = outcome.cause, outcome.at, True
             self.discovery.ask()  # the members offered now, not a few seconds ago
 
     def wait_for_members(self) -> list[str] | int:

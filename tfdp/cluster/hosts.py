@@ -65,7 +65,8 @@ class Discovery:
     or a fixed offer (`static`), for a cluster of a fixed size.
 
     local_only: other hosts are left out (workers in an isolated network cannot reach
-    them), each said once through `say`; `dropped` holds them.
+    them), each said once through `say`; `dropped` holds them. local_slots: at most this
+    many workers on this machine (its GPUs' share), said once through `say`.
     """
 
     def __init__(
@@ -75,9 +76,11 @@ class Discovery:
         local_only=False,
         say=None,
         static=None,
+        local_slots: int | None = None,
     ):
         self.command, self.every = command, every
-        self.local_only, self.say = local_only, say
+        self.local_only, self.say, self.local_slots = local_only, say, local_slots
+        self.capped = False
         self.dropped: set[str] = set()
         self.offered = list(static or [])
         self.error: str | None = None
@@ -108,11 +111,29 @@ class Discovery:
                             "isolated network cannot reach other hosts (--network=host)"
                         )
             offered = [(host, slots) for host, slots in offered if is_local(host)]
+        if offered is not None and self.local_slots is not None:
+            offered = self._cap(offered)
         with self._lock:
             if offered is not None:
                 self.offered = offered
             self.error = error
             self.answers += 1
+
+    def _cap(self, offered):
+        """`offered` with at most local_slots workers on this machine."""
+        capped, left = [], self.local_slots
+        for host, slots in offered:
+            if is_local(host):
+                if slots > left and not self.capped and self.say is not None:
+                    self.capped = True
+                    self.say(
+                        f"warning: discovery offers {host}:{slots}; this machine's GPUs "
+                        f"make room for {self.local_slots} worker(s) (--gpus_per_worker)"
+                    )
+                slots, left = min(slots, left), left - min(slots, left)
+            if slots:
+                capped.append((host, slots))
+        return capped
 
     def latest(self) -> tuple[list[tuple[str, int]], str | None]:
         """(the hosts offered by the last answer that worked, the last answer's error)."""

@@ -328,7 +328,11 @@ def supervise(settings: Settings, gpus=None, command: list[str] | None = None) -
         discovery = Discovery(static=[("localhost", settings.workers)])
     else:
         isolated = settings.network == "isolated"
-        discovery = Discovery(settings.discover, settings.discover_every, isolated, say)
+        per_worker = settings.gpus_per_worker
+        room = len(gpus) // per_worker if per_worker and gpus is not None else None
+        discovery = Discovery(
+            settings.discover, settings.discover_every, isolated, say, local_slots=room
+        )
         first, error = discovery.latest()
         if error or discovery.dropped:
             discovery.close()

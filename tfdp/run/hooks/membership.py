@@ -51,10 +51,15 @@ class Membership(Hook):
         self.done = False
 
     def on_step_end(self, run, step):
-        if self.done:
-            return
+        if not self.done:
+            self.record(run, time.time())
+
+    def on_train_end(self, run):
+        if not self.done:  # it resumed at the end: no step to train
+            self.record(run, None)
+
+    def record(self, run, trained: float | None) -> None:
         self.done = True
-        trained = time.time()
         kept = self._kept()
         entries = []
         for change in self.history:
@@ -65,9 +70,8 @@ class Membership(Hook):
                 "seconds_to_step": None,
             }
             entries.append(entry)
-        entries[-1].update(
-            step=run.start_step, seconds_to_step=round(trained - entries[-1]["at"], 3)
-        )
+        seconds = None if trained is None else round(trained - entries[-1]["at"], 3)
+        entries[-1].update(step=run.start_step, seconds_to_step=seconds)
         entries.extend(
             entry for at, entry in kept.items() if all(c["at"] != at for c in self.history)
         )
