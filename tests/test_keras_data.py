@@ -21,6 +21,7 @@ import tensorflow as tf
 from helpers import with_an_optional_input
 
 import tfdp
+from tfdp import internals
 
 FEATURES, CLASSES = 4, 3
 MODES = {
@@ -436,9 +437,16 @@ def keras_run(name):
     return fit(lambda model, **a: model.fit(**a), make, (keras_arguments or [arguments])[0])
 
 
+# What the oldest Keras tfdp runs on cannot do in its own fit: nothing to compare with there.
+KERAS_FIT_LACKS = {"an optional input given None": (3, 12)}  # 3.10-3.11: "Missing data for input"
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name", CASES)
 def test_data_is_taken_as_model_fit_takes_it(name, mode):
+    lacking = [since for case, since in KERAS_FIT_LACKS.items() if name.startswith(case)]
+    if lacking and internals.keras_release() < lacking[0]:
+        pytest.skip(f"Keras' own fit takes {name} from Keras {'.'.join(map(str, lacking[0]))}")
     want_model, want_history, want_watch = keras_run(name)
     make, arguments, *_ = case_data(name)
     model, history, watch = fit(
@@ -463,6 +471,10 @@ def test_auto_powers_on_shapes_decided_while_reading_time_the_first_batch_read_a
     """Where a pipeline decides a shape as it reads, auto powers time the devices on its
     first batch, read once ahead, and say so: a reshuffling pipeline then trains on its
     second order, as model.fit does after one iteration of it."""
+    if internals.keras_release() < (3, 15):
+        # timing one device alone traces the others on no rows, where Keras' masked
+        # GlobalAveragePooling1D fails before 3.15 (BUILD_NOTES, "Versions")
+        pytest.skip("a masked pooling layer on an empty piece needs Keras 3.15")
 
     def shuffled():
         return padded_text(60, 16, 5).unbatch().shuffle(60, seed=4).padded_batch(16)

@@ -173,3 +173,41 @@ def test_a_use_beyond_the_contract_is_found(tmp_path):
     (package / "__init__.py").write_text("")
     (package / "a.py").write_text("def f(run, trainer):\n    run.trainer.model\n    trainer.strategy\n")
     assert trainer_uses(package) == {"pkg.a": {"model", "strategy"}}
+
+
+INTERNAL = ("keras.src", "tensorflow.python")
+
+
+def internal_imports(root: pathlib.Path) -> list[str]:
+    """`module: name` for each import of a Keras or TensorFlow internal outside
+    tfdp/internals.py, at the top of a file or inside a function."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        name = module_name(path, root)
+        if name == f"{root.name}.internals":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            found += [
+                f"{name}: {n}" for n in names if n.startswith(INTERNAL) and n.split(".")[1:2]
+            ]
+    return found
+
+
+def test_keras_and_tensorflow_internals_are_imported_in_one_module_only():
+    assert internal_imports(PACKAGE) == []
+
+
+def test_an_internal_import_elsewhere_is_found(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "internals.py").write_text("from keras.src import tree\n")
+    (package / "steps.py").write_text(
+        "import keras\n\ndef f():\n    from keras.src.trainers import trainer\n"
+    )
+    assert internal_imports(package) == ["pkg.steps: keras.src.trainers"]

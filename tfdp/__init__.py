@@ -14,10 +14,21 @@ first imported (see onednn.py).
 """
 
 import importlib
+import os
+import sys
 
-from tfdp.config import Config
-from tfdp.devices import configure_logical_devices, split_batch
-from tfdp.errors import ConfigError
+from tfdp import internals
+
+_problem = internals.check_versions(os.environ)
+if _problem:
+    if internals.is_tfdp_command(sys.argv, sys.orig_argv):  # one line, no traceback
+        print(f"tfdp: error: {_problem}", file=sys.stderr)
+        raise SystemExit(2)
+    raise ImportError(_problem)
+
+from tfdp.config import Config  # noqa: E402
+from tfdp.devices import configure_logical_devices, split_batch  # noqa: E402
+from tfdp.errors import ConfigError  # noqa: E402
 
 _LAZY = {
     "fit": "tfdp.fitting",

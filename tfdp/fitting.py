@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 
+from tfdp import internals
 from tfdp.config import Config
 from tfdp.data import streams
 from tfdp.engine import placement
@@ -170,13 +171,10 @@ def keras_caps(epochs, steps_per_epoch):
     (`keras.config.set_max_epochs`, `set_max_steps_per_epoch`), as Keras' fit caps them."""
     import warnings
 
-    from keras.src.backend import config as keras_config
-
-    max_epochs = keras_config.max_epochs()
+    max_epochs, max_steps = internals.debug_limits()
     if max_epochs and max_epochs < epochs:
         warnings.warn(f"Limiting epochs to {max_epochs}")
         epochs = max_epochs
-    max_steps = keras_config.max_steps_per_epoch()
     if max_steps and (not steps_per_epoch or max_steps < steps_per_epoch):
         warnings.warn(f"Limiting steps_per_epoch to {max_steps}")
         steps_per_epoch = max_steps
@@ -210,9 +208,10 @@ def fit_data(x, y, sample_weight, class_weight, validation_split, validation_dat
     """(train, validation) as tfdp holds them: nested arrays (or None), from Keras fit's
     data arguments. The validation split and the class weights are Keras' own."""
     import tensorflow as tf
-    from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
 
     from tfdp.data import sources
+
+    data_adapter_utils = internals.data_adapter_utils()
 
     if streams.is_stream_input(x):
         if y is not None or sample_weight is not None:
@@ -226,11 +225,7 @@ def fit_data(x, y, sample_weight, class_weight, validation_split, validation_dat
                 "validation_split", validation_split, "needs arrays; give validation_data instead"
             )
         if class_weight is not None and isinstance(x, tf.data.Dataset):
-            from keras.src.trainers.data_adapters.tf_dataset_adapter import (
-                make_class_weight_map_fn,
-            )
-
-            x = x.map(make_class_weight_map_fn(class_weight))  # as Keras weighs a dataset
+            x = x.map(internals.class_weight_map_fn(class_weight))  # as Keras weighs a dataset
         elif class_weight is not None:  # a PyDataset or a generator: each batch, as read
             x = streams.with_class_weight(x, class_weight)
         return x, validation_of(validation_data)
@@ -248,8 +243,8 @@ def fit_data(x, y, sample_weight, class_weight, validation_split, validation_dat
             raise ConfigError("validation_split", validation_split, "must be in [0, 1)")
         validation = None
         if validation_split and validation_data is None:
-            (x, y, sample_weight), validation = array_slicing.train_validation_split(
-                (x, y, sample_weight), validation_split=validation_split
+            (x, y, sample_weight), validation = internals.train_validation_split(
+                (x, y, sample_weight), validation_split
             )
             validation_data = validation
         train = (x, y) if sample_weight is None else (x, y, sample_weight)
@@ -269,10 +264,9 @@ def validation_of(data):
     """Keras fit's `validation_data` as tfdp reads it: a tuple (x, y) or (x, y,
     sample_weight) of arrays held in memory; a tf.data pipeline, PyDataset or generator
     streamed, batch by batch, at each validation (`streams.EvalStream`)."""
-    from keras.src.trainers.data_adapters import data_adapter_utils
-
     from tfdp.data import sources
 
+    data_adapter_utils = internals.data_adapter_utils()
     if data is None:
         return None
     if streams.is_stream_input(data):

@@ -10,6 +10,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdp import internals
 from tfdp.errors import ConfigError, DoesNotFit
 
 
@@ -168,10 +169,8 @@ def the_model(model, field: str = "model", source=None, precision: str = "float3
     Raises:
       ConfigError: naming `field` and what is wrong.
     """
-    from keras.src.trainers.trainer import Trainer
-
     label = source or getattr(model, "name", None) or repr(model)
-    if isinstance(model, Trainer):
+    if isinstance(model, internals.keras_trainer()):
         if precision != "float32":
             raise ConfigError(
                 "precision",
@@ -187,7 +186,7 @@ def the_model(model, field: str = "model", source=None, precision: str = "float3
             raise
         except Exception as error:  # the user's code: any error, reported on one line
             raise ConfigError(field, label, f"raised {type(error).__name__}: {error}") from None
-        if not isinstance(model, Trainer):
+        if not isinstance(model, internals.keras_trainer()):
             raise ConfigError(
                 field, label, f"returned {type(model).__name__}, not a compiled Keras model"
             )
@@ -254,9 +253,7 @@ def initial_weights(
 def check_model(model, field: str = "model") -> None:
     """ConfigError unless `model` is a compiled Keras trainer (a Model, or a layer that is
     a Keras Trainer)."""
-    from keras.src.trainers.trainer import Trainer
-
-    if not isinstance(model, Trainer):
+    if not isinstance(model, internals.keras_trainer()):
         raise ConfigError(
             field,
             getattr(model, "name", type(model).__name__),
@@ -275,10 +272,10 @@ def build_on(model, batch, field: str = "x") -> None:
     """Builds what `fit` builds before its first step (the model, its compiled loss and
     metrics, the optimizer) from a batch of examples, as Keras does (symbolically);
     ConfigError naming `field` if the data does not fit the model."""
-    own = getattr(model, "_distribute_strategy", None)  # built in a strategy's scope: there
+    own = internals.model_strategy(model)  # built in a strategy's scope: there
     try:
         with own.scope() if own else tf.device("/cpu:0"):
-            model._symbolic_build(data_batch=batch)  # noqa: SLF001 - Keras fit's own build
+            internals.symbolic_build(model, batch)
     except Exception as error:  # Keras raises many kinds for data that does not fit
         raise DoesNotFit(field, described(batch), error) from None
 
@@ -286,18 +283,17 @@ def build_on(model, batch, field: str = "x") -> None:
 def check_fits(model, batch, field: str) -> None:
     """ConfigError naming `field` unless a batch of it fits the built model: its inputs the
     model's, its targets the compiled loss's (checked symbolically, as Keras builds)."""
-    from keras.src import backend
-    from keras.src.trainers.data_adapters.data_adapter_utils import unpack_x_y_sample_weight
+    unpack_x_y_sample_weight = internals.data_adapter_utils().unpack_x_y_sample_weight
 
     def symbolic(leaf):
-        return None if leaf is None else backend.KerasTensor(leaf.shape, leaf.dtype.name)
+        return None if leaf is None else internals.keras_tensor(leaf.shape, leaf.dtype.name)
 
     try:
         x, y, sample_weight = unpack_x_y_sample_weight(tf.nest.map_structure(symbolic, batch))
-        y_pred = backend.compute_output_spec(model, x, training=False)
+        y_pred = internals.compute_output_spec(model, x, training=False)
         if y is not None:
-            backend.compute_output_spec(
-                model._compute_loss,  # noqa: SLF001
+            internals.compute_output_spec(
+                internals.compute_loss_of(model),
                 x,
                 y,
                 y_pred,

@@ -55,8 +55,6 @@ def enable_by_default() -> None:
 
 def enabled() -> bool | None:
     """Whether this process's TensorFlow runs its oneDNN kernels (None: unknown)."""
-    try:
-        from tensorflow.python.util import _pywrap_util_port
-    except ImportError:  # a TensorFlow build without this query
-        return None
-    return bool(_pywrap_util_port.IsMklEnabled())
+    from tfdp import internals
+
+    return internals.onednn_enabled()

@@ -21,6 +21,7 @@ import json
 import os
 import re
 
+from tfdp import internals
 from tfdp.errors import ConfigError
 
 TF_CONFIG = "TF_CONFIG"
@@ -208,10 +209,7 @@ def slurm_cluster(port_base: int, environ=None) -> Cluster:
             "slurm",
             f"Slurm's variables are incomplete: {', '.join(missing)} unset; {where}",
         )
-    from tensorflow.python.distribute.cluster_resolver.slurm_cluster_resolver import (
-        expand_hostlist,
-        expand_tasks_per_node,
-    )
+    expand_hostlist, expand_tasks_per_node = internals.slurm_lists()
 
     rank = _slurm_int(environ, "SLURM_PROCID")
     tasks = _slurm_int(environ, "SLURM_STEP_NUM_TASKS", low=1)

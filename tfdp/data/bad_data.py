@@ -19,6 +19,8 @@ import json
 import os
 import re
 
+from tfdp import internals
+
 FAILURE_FILE = "input_failure.json"  # in model_dir: the step a stream last failed at
 _BOILERPLATE = ("Graph execution error", "Detected at node", "<stack traces", "Traceback")
 _READERS = ("_InterleaveDataset", "_ParallelInterleaveDataset", "_FlatMapDataset")
@@ -127,11 +129,11 @@ def record_files(dataset) -> list[tuple[str, str]]:
         name = type(node).__name__
         if name.startswith("TFRecordDataset") and hasattr(node, "_filenames"):
             compression = _text(getattr(node, "_compression_type", None))
-            names = _names(node._filenames)  # noqa: SLF001  (tf.data's own attributes)
+            names = _names(internals.dataset_files(node))
             if names is not None and compression is not None:
                 files += [(file, compression) for file in names]
             continue
-        inputs = node._inputs()  # noqa: SLF001
+        inputs = internals.dataset_inputs(node)
         if name in _READERS and inputs and _reads_tfrecords(getattr(node, "_map_func", None)):
             names = _names(inputs[0])
             if names is not None:

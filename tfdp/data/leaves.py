@@ -5,7 +5,8 @@ as x, y and sample weights).
 
 import numpy as np
 import tensorflow as tf
-from keras.src.trainers.data_adapters import data_adapter_utils
+
+from tfdp import internals
 
 
 def as_leaf(leaf):
@@ -15,7 +16,7 @@ def as_leaf(leaf):
     if leaf is None or is_composite(leaf):
         return leaf
     if hasattr(leaf, "tocoo") and hasattr(leaf, "nnz"):  # a scipy sparse matrix
-        return data_adapter_utils.scipy_sparse_to_tf_sparse(leaf)
+        return internals.data_adapter_utils().scipy_sparse_to_tf_sparse(leaf)
     return np.asarray(leaf)
 
 

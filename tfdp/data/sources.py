@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 
+from tfdp import internals
 from tfdp.errors import ConfigError
 
 
@@ -89,9 +90,7 @@ def as_arrays(data, field: str, value=None, part: str | None = None):
 
     if isinstance(data, tf.data.Dataset):
         data = _read_dataset(data, field, value, where)
-    from keras.src import tree
-
-    data = tree.lists_to_tuples(data)  # as Keras reads it: tf.data takes a list for a tensor
+    data = internals.lists_to_tuples(data)  # as Keras reads it: tf.data takes a list for a tensor
     try:
         arrays = tf.nest.map_structure(leaves.as_leaf, data)
     except (TypeError, ValueError) as error:

@@ -24,8 +24,8 @@ from collections.abc import Callable
 import keras
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.framework.none_tensor import NoneTensorSpec
 
+from tfdp import internals
 from tfdp.data import leaves
 from tfdp.errors import ConfigError
 
@@ -215,7 +215,7 @@ def unsaved_state(dataset) -> str | None:
         node = nodes.pop()
         if type(node).__name__ == "_RandomDataset":
             return "Dataset.random"
-        nodes.extend(node._inputs())  # noqa: SLF001
+        nodes.extend(internals.dataset_inputs(node))
     return None
 
 
@@ -231,7 +231,7 @@ def dataset_batching(dataset) -> tuple[bool, int | None, bool]:
             size = getattr(node, "_batch_size", None)
             size = int(np.asarray(size)) if size is not None else None
             return True, size, bool(np.asarray(getattr(node, "_drop_remainder", False)))
-        inputs = node._inputs()  # noqa: SLF001  (tf.data's own graph of datasets)
+        inputs = internals.dataset_inputs(node)
         if not inputs:
             return False, None, False
         node = inputs[0]
@@ -249,7 +249,7 @@ def _as_leaves(batch):
 
 def _with_batch(spec, size: int):
     """`spec` with its batch axis `size`."""
-    if isinstance(spec, NoneTensorSpec):  # an optional input given None
+    if isinstance(spec, internals.none_tensor_spec()):  # an optional input given None
         return spec
     shape = [size, *spec.shape[1:]]
     if isinstance(spec, tf.RaggedTensorSpec):
@@ -261,7 +261,7 @@ def _with_batch(spec, size: int):
 
 def _empty(spec):
     """An element of `spec` with no examples (a pass's end marker)."""
-    if isinstance(spec, NoneTensorSpec):  # an optional input given None
+    if isinstance(spec, internals.none_tensor_spec()):  # an optional input given None
         return None
     shape = [0] + [0 if d is None else d for d in spec.shape[1:]]
     if isinstance(spec, tf.SparseTensorSpec):
@@ -280,7 +280,7 @@ def _sample(spec, batch_size: int):
     pipeline decides it while reading."""
 
     def sample(leaf):
-        if isinstance(leaf, NoneTensorSpec):  # an optional input given None
+        if isinstance(leaf, internals.none_tensor_spec()):  # an optional input given None
             return None
         if leaf.shape.rank is None or not leaf.shape[1:].is_fully_defined():
             return _with_batch(leaf, batch_size)
@@ -312,7 +312,7 @@ def from_dataset(dataset, batch_size, drop_remainder, field="x", source="tf.data
         size, dropped = batch_size or 32, drop_remainder
     if size is None:
         specs = tf.nest.flatten(dataset.element_spec)
-        size = next(s for s in specs if not isinstance(s, NoneTensorSpec)).shape[0]
+        size = next(s for s in specs if not isinstance(s, internals.none_tensor_spec())).shape[0]
     if size is None:
         raise ConfigError(
             field,
@@ -333,7 +333,7 @@ def from_dataset(dataset, batch_size, drop_remainder, field="x", source="tf.data
     batches = None if cardinality < 0 else cardinality  # infinite or unknown
     examples = None
     if not batched:
-        elements = int(dataset._input_dataset.cardinality())  # noqa: SLF001
+        elements = int(internals.dataset_inputs(dataset)[0].cardinality())
         examples = elements if elements >= 0 else None
         if examples is not None and dropped:
             examples = (examples // size) * size
@@ -349,8 +349,7 @@ def _own_batches(first_batches, batch_size, source: str):
     source that makes its own batches, from its first batches (Keras reads two): a shape
     that differs between them is None in the signature, as Keras' adapters make it. A
     `batch_size` that differs from the first batch's is an error."""
-    from keras.src.trainers.data_adapters import data_adapter_utils
-
+    data_adapter_utils = internals.data_adapter_utils()
     first_batches = [_as_leaves(batch) for batch in first_batches]
     first = first_batches[0]
     size = _batch_size_of(first)
@@ -365,15 +364,17 @@ def _own_batches(first_batches, batch_size, source: str):
     # An optional input given None is None in the batches (Keras' adapter makes it an
     # empty tf.experimental.Optional, which its step turns back into None).
     signature = tf.nest.map_structure(
-        lambda spec: NoneTensorSpec() if isinstance(spec, tf.OptionalSpec) else spec, signature
+        lambda spec: internals.none_tensor_spec()() if isinstance(spec, tf.OptionalSpec) else spec,
+        signature,
     )
     return first, size, signature
 
 
 def _described(batch) -> str:
     """A batch's structure, shapes and dtypes, e.g. (float32[32, 8], int64[32])."""
+
     def described(leaf):
-        if leaf is None or isinstance(leaf, NoneTensorSpec):
+        if leaf is None or isinstance(leaf, internals.none_tensor_spec()):
             return "None"
         return f"{leaf.dtype.name}{list(leaf.shape)}"
 
@@ -392,7 +393,7 @@ def checked(numbered, signature, batch_size: int):
         try:
             tf.nest.assert_same_structure(signature, batch, check_types=False)
             fits = all(
-                (leaf is None) == isinstance(spec, NoneTensorSpec)
+                (leaf is None) == isinstance(spec, internals.none_tensor_spec())
                 and (leaf is None or spec.shape.is_compatible_with(leaf.shape))
                 for spec, leaf in zip(tf.nest.flatten(signature), tf.nest.flatten(batch))
             )
@@ -489,7 +490,7 @@ def with_class_weight(x, class_weight):
     """A PyDataset or generator whose batches carry Keras' sample weights of
     `class_weight` (`class_weight_to_sample_weights` of their targets), as Keras' fit
     weighs them."""
-    from keras.src.trainers.data_adapters import data_adapter_utils
+    data_adapter_utils = internals.data_adapter_utils()
 
     def weighed(batch):
         x_part, y, weights = keras.utils.unpack_x_y_sample_weight(

@@ -20,6 +20,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from tfdp import internals
 from tfdp.errors import ConfigError
 
 
@@ -54,7 +55,7 @@ def raw_variables(model) -> list[str]:
     """The model's tf.Variables that are not Keras variables (made outside `add_weight`),
     as `layer.attribute` names: Keras does not know them, so they cannot be made again."""
     found = []
-    for layer in model._flatten_layers(include_self=True):  # noqa: SLF001
+    for layer in internals.layers_of(model):
         for name, value in vars(layer).items():
             values = value if isinstance(value, (list, tuple)) else [value]
             if any(isinstance(v, tf.Variable) for v in values):
@@ -102,18 +103,20 @@ class Placement:
             check_no_raw_variables(model)  # (one replica uses them where they are)
         variables = variables_of(model)
         self.saved = {
-            "values": [(v, v._value) for v in variables],  # noqa: SLF001
-            "strategy": model._distribute_strategy,  # noqa: SLF001
-            "optimizers": [(o, o._distribution_strategy) for o in optimizers_of(model)],  # noqa: SLF001
+            "values": [(v, internals.variable_value(v)) for v in variables],
+            "strategy": internals.model_strategy(model),
+            "optimizers": [(o, internals.optimizer_strategy(o)) for o in optimizers_of(model)],
         }
         keys = _keys(model, variables)
         scope = self.strategy.scope() if self.strategy else tf.device(self.device)
         with scope:
             for variable in variables:
                 _remake(variable, _value_of(variable))
-        model._distribute_strategy = self.strategy  # noqa: SLF001
+        internals.set_model_strategy(model, self.strategy)
         for optimizer in optimizers_of(model):
-            optimizer._distribution_strategy = self.strategy or tf.distribute.get_strategy()  # noqa: SLF001
+            internals.set_optimizer_strategy(
+                optimizer, self.strategy or tf.distribute.get_strategy()
+            )
         _rekey(model, variables, keys)
         _clear_functions(model)
 
@@ -130,33 +133,20 @@ class Placement:
         scope = original_strategy.scope() if original_strategy else contextlib.nullcontext()
         with scope:
             for variable, value, original in values:
-                variable._value = original  # noqa: SLF001
+                internals.set_variable_value(variable, original)
                 original.assign(tf.cast(value, original.dtype))
-        model._distribute_strategy = original_strategy  # noqa: SLF001
+        internals.set_model_strategy(model, original_strategy)
         for optimizer, strategy in saved["optimizers"]:
-            optimizer._distribution_strategy = strategy  # noqa: SLF001
+            internals.set_optimizer_strategy(optimizer, strategy)
         _rekey(model, variables, keys)
         _clear_functions(model)
 
 
-@contextlib.contextmanager
 def outside_strategy_scopes():
     """Inside: no tf.distribute strategy scope the caller entered is current (a script
     that calls tfdp.fit within `strategy.scope()`): the mode's own strategy, or none,
     decides where the model trains."""
-    from tensorflow.python.framework import ops
-
-    graph = ops.get_default_graph()
-    # A strategy's scope pushes itself and its variable creator; both set aside here
-    strategies = graph._distribution_strategy_stack  # noqa: SLF001 - TensorFlow's own
-    creators = graph._variable_creator_stack  # noqa: SLF001
-    graph._distribution_strategy_stack = []  # noqa: SLF001
-    graph._variable_creator_stack = []  # noqa: SLF001
-    try:
-        yield
-    finally:
-        graph._distribution_strategy_stack = strategies  # noqa: SLF001
-        graph._variable_creator_stack = creators  # noqa: SLF001
+    return internals.outside_strategy_scopes()
 
 
 @contextlib.contextmanager
@@ -165,7 +155,7 @@ def kept(variables):
     every replica of this process (read and put back replica by replica: no collective)."""
     saved = []
     for variable in variables:
-        value = variable._value  # noqa: SLF001
+        value = internals.variable_value(variable)
         parts = getattr(value, "values", None)
         if not isinstance(value, tf.distribute.DistributedValues) or not parts:
             parts = (value,)
@@ -183,7 +173,7 @@ def _value_of(variable):
     equal), a sync-on-read variable's aggregate over this process's replicas (a metric's
     total). Only this process's replicas are read: reading a sync-on-read variable
     across a cluster is a collective, which every worker would have to join."""
-    value = variable._value  # noqa: SLF001
+    value = internals.variable_value(variable)
     with tf.device("/cpu:0"):
         components = getattr(value, "values", None)
         if not isinstance(value, tf.distribute.DistributedValues) or not components:
@@ -200,15 +190,14 @@ def _value_of(variable):
 def _remake(variable, value) -> None:
     """The Keras variable holds a new tf.Variable of `value`, made where the caller's
     scope says, with the aggregation and synchronization Keras gave it."""
-    variable._value = None  # noqa: SLF001
-    variable._initialize(value)  # noqa: SLF001 - Keras' own way to make it
+    internals.make_variable_again(variable, value)
 
 
 def _keys(model, variables) -> dict:
     """Each optimizer's key of each variable (Keras' optimizers find a variable by its
     tf.Variable's id), before the variables are made again."""
     return {
-        id(optimizer): {id(v): optimizer._var_key(v) for v in variables}  # noqa: SLF001
+        id(optimizer): {id(v): internals.optimizer_key(optimizer, v) for v in variables}
         for optimizer in optimizers_of(model)
     }
 
@@ -217,15 +206,8 @@ def _rekey(model, variables, before) -> None:
     """The optimizers' tables keyed by a variable's old key, keyed by its new one."""
     for optimizer in optimizers_of(model):
         old = before[id(optimizer)]
-        new = {old[id(v)]: optimizer._var_key(v) for v in variables}  # noqa: SLF001
-        for name in ("_trainable_variables_indices", "_var_to_optimizer_idx"):  # (a MultiOptimizer's)
-            table = getattr(optimizer, name, None)
-            if table:
-                setattr(optimizer, name, {new.get(key, key): index for key, index in table.items()})
-        excluded = getattr(optimizer, "_exclude_from_weight_decay", None)
-        if excluded:
-            optimizer._exclude_from_weight_decay = {new.get(k, k) for k in excluded}  # noqa: SLF001
-        optimizer._exclude_from_weight_decay_cache = {}  # noqa: SLF001
+        new = {old[id(v)]: internals.optimizer_key(optimizer, v) for v in variables}
+        internals.rekey_optimizer(optimizer, new)
 
 
 def _clear_functions(model) -> None:

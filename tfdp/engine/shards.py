@@ -36,6 +36,8 @@ import threading
 
 import tensorflow as tf
 
+from tfdp import internals
+
 _local = threading.local()  # MirroredStrategy traces each replica in a thread of its own
 _installed = {}
 
@@ -76,8 +78,7 @@ def install() -> None:
     a tfdp piece the replacement is Keras' own function."""
     if _installed:
         return
-    from keras.src.losses import loss as loss_module
-
+    loss_module = internals.loss_scaling()
     keras_scale = loss_module.scale_loss_for_distribution
     keras_unscale = loss_module.unscale_loss_for_distribution
 
@@ -123,7 +124,7 @@ class ShardOptimizer:
         if context is None:  # outside tfdp's pieces (a callback's own step): the real one
             return self._optimizer.apply(grads, trainable_variables)
         if trainable_variables is None:
-            trainable_variables = self._optimizer._trainable_variables  # noqa: SLF001
+            trainable_variables = internals.optimizer_variables(self._optimizer)
         context.handed.append((list(grads), list(trainable_variables)))
 
 
@@ -143,10 +144,9 @@ def handing_over(model):
 
 def overrides(model, name: str) -> bool:
     """Whether `model`'s class overrides Keras' `name` (train_step, test_step, ...)."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-    from keras.src.trainers.trainer import Trainer
-
-    keras_own = getattr(TensorFlowTrainer, name, None) or getattr(Trainer, name)
+    keras_own = getattr(internals.tensorflow_trainer(), name, None) or getattr(
+        internals.keras_trainer(), name
+    )
     return getattr(type(model), name, keras_own) is not keras_own
 
 
@@ -220,8 +220,8 @@ def _own_means(model):
     Keras' loss tracker where a step of its own updates it without a weight (Keras' own
     step weighs it by the batch's size, which the wrapper leaves as it is)."""
     import keras
-    from keras.src.metrics.reduction_metrics import MeanMetricWrapper
 
+    MeanMetricWrapper = internals.mean_metric_wrapper()  # noqa: N806 (Keras' class)
     try:
         metrics = list(model.metrics)
     except Exception:  # noqa: BLE001 - a `metrics` property of the user's that fails unbuilt

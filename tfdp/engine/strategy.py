@@ -34,8 +34,8 @@ import threading
 import warnings
 
 import tensorflow as tf
-from tensorflow.python.distribute import values_util
 
+from tfdp import internals
 from tfdp.engine import clock as host_clock
 from tfdp.engine import shards
 from tfdp.errors import ConfigError
@@ -279,11 +279,8 @@ class UnevenShares:
 
     def run(self, fn, args=(), kwargs=None, options=None):
         """`fn` in every replica, its losses weighed by the replica's share of the batch."""
-        from tensorflow.python.autograph.core import ag_ctx
-        from tensorflow.python.autograph.impl import api as autograph
-
         model = _trainer_of(fn)
-        fn = autograph.tf_convert(fn, ag_ctx.control_status_ctx(), convert_by_default=False)
+        fn = internals.autograph_convert(fn)
 
         timed = self.auto or bool(self.slowdown) or self._reports_seconds
 
@@ -448,9 +445,7 @@ def whole_batch_logs(model, logs, fraction, context, all_reduce=None):
             if variables[i].aggregation == "mean":
                 value = value / count
             values[i] = tf.cast(value, values[i].dtype)
-        from keras.src.backend.common.stateless_scope import StatelessScope
-
-        with StatelessScope(state_mapping=list(zip(variables, values))):
+        with internals.stateless_scope(list(zip(variables, values))):
             for metric in metrics:
                 result = metric.result()
                 if isinstance(result, dict):
@@ -541,8 +536,7 @@ def _install_keras_functions() -> None:
     several CPU devices), saying so once."""
     if _keras_installed:
         return
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
+    TensorFlowTrainer = internals.tensorflow_trainer()  # noqa: N806 (Keras' class)
     keras_make = TensorFlowTrainer._make_function  # noqa: SLF001
     keras_make_predict = TensorFlowTrainer.make_predict_function
 
@@ -564,7 +558,7 @@ def _install_keras_functions() -> None:
     keras_build = TensorFlowTrainer._maybe_symbolic_build  # noqa: SLF001
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        strategy = self._distribute_strategy  # noqa: SLF001
+        strategy = internals.model_strategy(self)
         dataset = getattr(iterator, "_distributed_dataset", None)
         spec = getattr(dataset, "_tfdp_element_spec", None)
         if not isinstance(strategy, UnevenShares) or data_batch is not None or spec is None:
@@ -589,11 +583,11 @@ def _without_xla(model, strategy):
         f"one XLA program cannot span the devices {', '.join(strategy.extended.worker_devices)}",
         stacklevel=4,
     )
-    model._jit_compile = False  # noqa: SLF001 (read while Keras builds the function)
+    internals.set_jit_compile(model, False)
     try:
         yield
     finally:
-        model._jit_compile = True  # noqa: SLF001
+        internals.set_jit_compile(model, True)
 
 
 def _step_by_step(model, one_step):
@@ -628,6 +622,7 @@ def _install_assign_by_share() -> None:
     statistics) assigns the replicas' values combined by share, on every replica."""
     if _assign_installed:
         return
+    values_util = internals.values_util()
     tensorflow_assign = values_util.on_write_assign
 
     def on_write_assign(var, value, use_locking=False, name=None, read_value=True):
@@ -676,8 +671,7 @@ def _install_clip_of_the_sum() -> None:
     more all-reduce per step, only where the optimizer clips."""
     if _clip_installed:
         return
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
-
+    BaseOptimizer = internals.base_optimizer()  # noqa: N806 (Keras' class)
     keras_clip = BaseOptimizer._clip_gradients  # noqa: SLF001
 
     def _clip_gradients(self, grads):
@@ -815,10 +809,8 @@ def _placed(context, strategy):
 def _trainer_of(fn):
     """The Keras model whose own step `fn` is (Keras passes `model.train_step`), else None."""
     owner = getattr(fn, "__self__", None)
-    from keras.src.trainers.trainer import Trainer
-
     name = getattr(fn, "__name__", "")
-    if isinstance(owner, Trainer) and name in ("train_step", "test_step"):
+    if isinstance(owner, internals.keras_trainer()) and name in ("train_step", "test_step"):
         return owner
     return None
 

@@ -15,6 +15,7 @@ import itertools
 import os
 import re
 
+from tfdp import internals
 from tfdp.storage import StorageError, listdir, reason, write_atomically
 
 # The files of checkpoint N: ckpt-N.index and ckpt-N.data-K-of-M (TensorFlow's names).
@@ -49,7 +50,8 @@ class CheckpointIndex:
         """The index file's CheckpointState (None: no file, or unreadable) and, if it
         exists but does not parse, why."""
         from google.protobuf import text_format
-        from tensorflow.python.training.checkpoint_state_pb2 import CheckpointState
+
+        CheckpointState = internals.checkpoint_state()  # noqa: N806 (TensorFlow's class)
 
         try:
             with open(os.path.join(self.directory, INDEX_FILE)) as f:
@@ -149,7 +151,8 @@ class CheckpointIndex:
         """Writes the index CheckpointManager reads: the checkpoints up to `step` that
         it listed (or, without a readable index, all found on disk), and `step` last."""
         from google.protobuf import text_format
-        from tensorflow.python.training.checkpoint_state_pb2 import CheckpointState
+
+        CheckpointState = internals.checkpoint_state()  # noqa: N806 (TensorFlow's class)
 
         stamps = {}
         if index is not None:

@@ -22,6 +22,7 @@ import os
 import keras
 import numpy as np
 
+from tfdp import internals
 from tfdp.errors import ConfigError
 from tfdp.run.hooks.report import keras_logs
 from tfdp.run.loop import Hook
@@ -132,12 +133,12 @@ class KerasCallbacks(Hook):
 
     def on_step_end(self, run, step):
         self.logs = keras_logs(run.outputs["logs"])
-        self.list.on_train_batch_end(run.call[1], self.logs)
+        self.list.on_train_batch_end(internals.batch_end_index(*run.call), self.logs)
         if self.model.stop_training:
             run.stopping = True
 
     def on_epoch_end(self, run, epoch):
-        logs = keras_logs(self.model._get_metrics_result_or_logs(self.logs))  # noqa: SLF001
+        logs = keras_logs(internals.metrics_result_or_logs(self.model, self.logs))
         if self.validation and self.due(epoch):
             logs.update({f"val_{k}": v for k, v in self.validate(run).items()})
         self.list.on_epoch_end(epoch, logs)

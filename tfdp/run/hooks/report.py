@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 
+from tfdp import internals
 from tfdp.devices import short_name
 from tfdp.run.loop import Hook
 
@@ -96,9 +97,7 @@ def banner(plan, trainer, start_step: int, shards: list[int], input_note=None) -
 def keras_logs(logs) -> dict:
     """A step's logs as Keras' fit hands them to callbacks: nested dicts flattened, each
     value a Python float where it converts to one (Keras' `pythonify_logs`)."""
-    from keras.src.utils.python_utils import pythonify_logs
-
-    return pythonify_logs(logs)
+    return internals.pythonify_logs(logs)
 
 
 def floats(logs) -> dict[str, float]:
