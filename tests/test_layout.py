@@ -211,3 +211,42 @@ def test_an_internal_import_elsewhere_is_found(tmp_path):
         "import keras\n\ndef f():\n    from keras.src.trainers import trainer\n"
     )
     assert internal_imports(package) == ["pkg.steps: keras.src.trainers"]
+
+
+def private_reads(root: pathlib.Path) -> list[str]:
+    """`module: attribute` for each getattr/hasattr of another library's private attribute
+    (a constant name starting with one underscore, not tfdp's own `_tfdp_...`) outside
+    tfdp/internals.py."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        name = module_name(path, root)
+        if name == f"{root.name}.internals":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+            ):
+                attribute = node.args[1].value
+                if attribute.startswith("_") and not attribute.startswith(("__", "_tfdp_")):
+                    found.append(f"{name}: {attribute}")
+    return found
+
+
+def test_other_libraries_private_attributes_are_read_in_internals_only():
+    assert private_reads(PACKAGE) == []
+
+
+def test_a_private_read_elsewhere_is_found(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "internals.py").write_text("def f(m):\n    return getattr(m, '_compile_loss')\n")
+    (package / "hooks.py").write_text(
+        "def f(m):\n    return getattr(m, '_initial_epoch', None), getattr(m, '_tfdp_x', 0)\n"
+    )
+    assert private_reads(package) == ["pkg.hooks: _initial_epoch"]

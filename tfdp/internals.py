@@ -325,6 +325,28 @@ def optimizer_variables(optimizer):
     return optimizer._trainable_variables  # noqa: SLF001
 
 
+def inner_optimizers(optimizer) -> list:
+    """A MultiOptimizer's optimizers (`_inner_optimizers`; none elsewhere)."""
+    return list(getattr(optimizer, "_inner_optimizers", None) or [])
+
+
+def compile_loss(model):
+    """The model's compiled loss (`_compile_loss`, None before compile), whose `metrics`
+    are the loss trackers of each output."""
+    return getattr(model, "_compile_loss", None)
+
+
+def learning_rate_of(optimizer):
+    """What an optimizer holds as its rate (`_learning_rate`): a variable or a schedule."""
+    return getattr(optimizer, "_learning_rate", None)
+
+
+def initial_epoch(model):
+    """`_initial_epoch`, which a callback sets in on_train_begin (BackupAndRestore) for
+    fit to start at (None: not set)."""
+    return getattr(model, "_initial_epoch", None)
+
+
 def set_jit_compile(model, value: bool) -> None:
     """`_jit_compile`, as Keras reads it while it builds a step function."""
     model._jit_compile = value  # noqa: SLF001
@@ -418,6 +440,34 @@ def dataset_inputs(dataset):
 
 
 def dataset_files(dataset):
-    """The file names a TFRecordDataset reads (`_filenames`, a tensor or a dataset).
+    """The file names a TFRecordDataset reads (`_filenames`, a tensor or a dataset; None:
+    not a reader of files). Checked: TensorFlow 2.19.1-2.21.0."""
+    return getattr(dataset, "_filenames", None)
+
+
+def dataset_compression(dataset):
+    """A TFRecordDataset's `_compression_type` (None: not known)."""
+    return getattr(dataset, "_compression_type", None)
+
+
+def dataset_map_function(dataset):
+    """The function of a map or interleave dataset (`_map_func`; None: none)."""
+    return getattr(dataset, "_map_func", None)
+
+
+def batching(dataset) -> tuple:
+    """(`_batch_size`, `_drop_remainder`) of a batching dataset (None, False: not known).
     Checked: TensorFlow 2.19.1-2.21.0."""
-    return dataset._filenames  # noqa: SLF001
+    return getattr(dataset, "_batch_size", None), getattr(dataset, "_drop_remainder", False)
+
+
+def original_dataset(distributed):
+    """The tf.data dataset a tf.distribute DistributedDataset was made from
+    (`_original_dataset`; None: not known). Checked: TensorFlow 2.19.1-2.21.0."""
+    return getattr(distributed, "_original_dataset", None)
+
+
+def distributed_dataset(iterator):
+    """The DistributedDataset a distributed iterator reads (`_distributed_dataset`; None:
+    not known), as Keras' trainer reads it. Checked: TensorFlow 2.19.1-2.21.0."""
+    return getattr(iterator, "_distributed_dataset", None)

@@ -127,14 +127,14 @@ def record_files(dataset) -> list[tuple[str, str]]:
             continue
         seen.add(id(node))
         name = type(node).__name__
-        if name.startswith("TFRecordDataset") and hasattr(node, "_filenames"):
-            compression = _text(getattr(node, "_compression_type", None))
+        if name.startswith("TFRecordDataset") and internals.dataset_files(node) is not None:
+            compression = _text(internals.dataset_compression(node))
             names = _names(internals.dataset_files(node))
             if names is not None and compression is not None:
                 files += [(file, compression) for file in names]
             continue
         inputs = internals.dataset_inputs(node)
-        if name in _READERS and inputs and _reads_tfrecords(getattr(node, "_map_func", None)):
+        if name in _READERS and inputs and _reads_tfrecords(internals.dataset_map_function(node)):
             names = _names(inputs[0])
             if names is not None:
                 files += [(file, "") for file in names]

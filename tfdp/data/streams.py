@@ -178,7 +178,7 @@ def undistributed(x, field: str):
     worker's part only, and is refused."""
     if not isinstance(x, tf.distribute.DistributedDataset):
         return x
-    original = getattr(x, "_original_dataset", None)  # TensorFlow's DistributedDataset
+    original = internals.original_dataset(x)  # TensorFlow's DistributedDataset
     original = getattr(x, "_tfdp_dataset", original)  # tfdp.MirroredStrategy's
     if isinstance(original, tf.data.Dataset):
         return original
@@ -228,9 +228,9 @@ def dataset_batching(dataset) -> tuple[bool, int | None, bool]:
         if name == "_UnbatchDataset":
             return False, None, False
         if name in BATCHING:
-            size = getattr(node, "_batch_size", None)
+            size, dropped = internals.batching(node)
             size = int(np.asarray(size)) if size is not None else None
-            return True, size, bool(np.asarray(getattr(node, "_drop_remainder", False)))
+            return True, size, bool(np.asarray(dropped))
         inputs = internals.dataset_inputs(node)
         if not inputs:
             return False, None, False

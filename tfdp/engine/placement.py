@@ -34,7 +34,7 @@ def optimizers_of(model) -> list:
             continue
         found.append(optimizer)
         waiting.append(getattr(optimizer, "inner_optimizer", None))
-        waiting.extend(getattr(optimizer, "_inner_optimizers", None) or [])
+        waiting.extend(internals.inner_optimizers(optimizer))
     return found
 
 

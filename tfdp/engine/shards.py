@@ -200,7 +200,7 @@ def weighing_output_losses(model, fraction):
     the pieces of a step, weighed by their share, then add up to that step, however uneven.
     The weight is the thread's own (a strategy traces its replicas in threads of their own);
     a tracker keeps tfdp's wrapper, which outside a piece is Keras' own update."""
-    compile_loss = getattr(model, "_compile_loss", None)
+    compile_loss = internals.compile_loss(model)
     for tracker in list(getattr(compile_loss, "metrics", None) or []):
         if "update_state" not in vars(tracker):
             tracker.update_state = _weighed_by_piece(tracker.update_state)

@@ -559,7 +559,7 @@ def _install_keras_functions() -> None:
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         strategy = internals.model_strategy(self)
-        dataset = getattr(iterator, "_distributed_dataset", None)
+        dataset = internals.distributed_dataset(iterator)
         spec = getattr(dataset, "_tfdp_element_spec", None)
         if not isinstance(strategy, UnevenShares) or data_batch is not None or spec is None:
             return keras_build(self, iterator=iterator, data_batch=data_batch)

@@ -116,7 +116,7 @@ class KerasCallbacks(Hook):
             run.stopping = self.model.stop_training
         # Keras' fit starts at the model's `_initial_epoch` when a callback set it in
         # on_train_begin (BackupAndRestore, restoring its backup)
-        restored = getattr(self.model, "_initial_epoch", None)
+        restored = internals.initial_epoch(self.model)
         if restored and not run.start_step and restored != run.cursor.epoch:
             run.seek(restored)
         # the unbroken run began this epoch before the checkpoint

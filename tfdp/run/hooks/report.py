@@ -42,7 +42,7 @@ def schedule_of(optimizer):
     import keras
 
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    rate = getattr(inner, "_learning_rate", None)
+    rate = internals.learning_rate_of(inner)
     return rate if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) else None
 
 
