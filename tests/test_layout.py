@@ -178,23 +178,35 @@ def test_a_use_beyond_the_contract_is_found(tmp_path):
 INTERNAL = ("keras.src", "tensorflow.python")
 
 
+def a_package(tmp_path, files: dict[str, str]) -> pathlib.Path:
+    """A package `pkg` of `files` (name: text), with an empty __init__.py."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    for name, text in {"__init__.py": "", **files}.items():
+        (package / name).write_text(text)
+    return package
+
+
+def nodes_outside_internals(root: pathlib.Path):
+    """(module name, AST node) of every module of the package but its internals.py."""
+    for path in sorted(root.rglob("*.py")):
+        name = module_name(path, root)
+        if name != f"{root.name}.internals":
+            for node in ast.walk(ast.parse(path.read_text())):
+                yield name, node
+
+
 def internal_imports(root: pathlib.Path) -> list[str]:
     """`module: name` for each import of a Keras or TensorFlow internal outside
     tfdp/internals.py, at the top of a file or inside a function."""
     found = []
-    for path in sorted(root.rglob("*.py")):
-        name = module_name(path, root)
-        if name == f"{root.name}.internals":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            found += [
-                f"{name}: {n}" for n in names if n.startswith(INTERNAL) and n.split(".")[1:2]
-            ]
+    for name, node in nodes_outside_internals(root):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        found += [f"{name}: {n}" for n in names if n.startswith(INTERNAL) and n.split(".")[1:2]]
     return found
 
 
@@ -203,13 +215,10 @@ def test_keras_and_tensorflow_internals_are_imported_in_one_module_only():
 
 
 def test_an_internal_import_elsewhere_is_found(tmp_path):
-    package = tmp_path / "pkg"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "internals.py").write_text("from keras.src import tree\n")
-    (package / "steps.py").write_text(
-        "import keras\n\ndef f():\n    from keras.src.trainers import trainer\n"
-    )
+    package = a_package(tmp_path, {
+        "internals.py": "from keras.src import tree\n",
+        "steps.py": "import keras\n\ndef f():\n    from keras.src.trainers import trainer\n",
+    })  # fmt: skip
     assert internal_imports(package) == ["pkg.steps: keras.src.trainers"]
 
 
@@ -218,22 +227,18 @@ def private_reads(root: pathlib.Path) -> list[str]:
     (a constant name starting with one underscore, not tfdp's own `_tfdp_...`) outside
     tfdp/internals.py."""
     found = []
-    for path in sorted(root.rglob("*.py")):
-        name = module_name(path, root)
-        if name == f"{root.name}.internals":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Name)
-                and node.func.id in ("getattr", "hasattr")
-                and len(node.args) >= 2
-                and isinstance(node.args[1], ast.Constant)
-                and isinstance(node.args[1].value, str)
-            ):
-                attribute = node.args[1].value
-                if attribute.startswith("_") and not attribute.startswith(("__", "_tfdp_")):
-                    found.append(f"{name}: {attribute}")
+    for name, node in nodes_outside_internals(root):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            attribute = node.args[1].value
+            if attribute.startswith("_") and not attribute.startswith(("__", "_tfdp_")):
+                found.append(f"{name}: {attribute}")
     return found
 
 
@@ -242,11 +247,8 @@ def test_other_libraries_private_attributes_are_read_in_internals_only():
 
 
 def test_a_private_read_elsewhere_is_found(tmp_path):
-    package = tmp_path / "pkg"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "internals.py").write_text("def f(m):\n    return getattr(m, '_compile_loss')\n")
-    (package / "hooks.py").write_text(
-        "def f(m):\n    return getattr(m, '_initial_epoch', None), getattr(m, '_tfdp_x', 0)\n"
-    )
+    package = a_package(tmp_path, {
+        "internals.py": "def f(m):\n    return getattr(m, '_compile_loss')\n",
+        "hooks.py": "def f(m):\n    return getattr(m, '_initial_epoch', None), getattr(m, '_tfdp_x', 0)\n",
+    })  # fmt: skip
     assert private_reads(package) == ["pkg.hooks: _initial_epoch"]

@@ -148,6 +148,7 @@ def stateless_scope(mapping):
     return StatelessScope(state_mapping=mapping)
 
 
+@functools.cache
 def keras_release() -> tuple[int, int]:
     """The installed Keras' (major, minor)."""
     import keras
