@@ -474,8 +474,12 @@ def test_the_streaming_rows_can_each_be_named_by_only():
         ("keras fit mirrored x2", "keras", "fit", 2, "stream", True),
         ("tfdp mirrored x2", "tfdp", "mirrored", 2, "stream", True),
         ("tfdp weighted x2", "tfdp", "weighted", 2, "stream", True),
+        ("tfdp mirrored x2 replica statistics", "tfdp", "mirrored", 2, "stream", True),
+        ("tfdp weighted x2 replica statistics", "tfdp", "weighted", 2, "stream", True),
     ]
-    assert [s.powers for s in specs if s.mode == "weighted"] == [(1.0, 1.0)]
+    assert [s.powers for s in specs if s.mode == "weighted"] == [(1.0, 1.0)] * 2
+    assert [s.batch_statistics for s in specs if "x2" in s.name and s.system == "tfdp"] == [
+        "whole", "whole", "replica", "replica"]
     assert all("," not in s.name for s in specs)  # --only is a comma list
     # every row runs oneDNN's kernels, as tfdp does: the Keras rows too
     assert {s.onednn for s in specs} == {"tfdp"}
@@ -518,6 +522,8 @@ def test_the_streaming_table_is_the_arithmetic_of_the_measurements():
         "keras fit mirrored x2": "keras fit mirrored x2",
         "tfdp mirrored x2": "keras fit mirrored x2",
         "tfdp weighted x2": "keras fit mirrored x2",
+        "tfdp mirrored x2 replica statistics": "keras fit mirrored x2",
+        "tfdp weighted x2 replica statistics": "keras fit mirrored x2",
     }
     for name, row in rows.items():
         assert row["images_per_second"] == median[name]

@@ -397,11 +397,12 @@ def test_batch_normalization_synchronized_or_frozen_is_one_device(kind):
 
 
 def test_batch_normalization_moving_statistics_are_combined_by_share():
-    """Per-replica batch statistics (as TensorFlow's MirroredStrategy computes them); the moving
-    mean and variance move by the pieces' statistics weighed by share, the same on every replica."""
+    """With per-replica batch statistics (`batch_statistics="replica"`, as TensorFlow's
+    MirroredStrategy computes them) the moving mean and variance move by the pieces'
+    statistics weighed by share, the same on every replica."""
     make = batch_normalized()
     x, y = examples(64)
-    uneven = strategy()
+    uneven = tfdp.MirroredStrategy(DEVICES, powers=[1, 3], batch_statistics="replica")
     with uneven.scope():
         model = make()
     model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
@@ -874,6 +875,60 @@ def _optimizers_clip_before_their_all_reduce():
     assert float(mean.result()) == 3.5 and issubclass(MeanMetricWrapper, Mean)
 
 
+def _tensorflow_lifts_a_tf_function_by_cloning_it():
+    """TensorFlow lifts a tf.function handed to `run` over the replicas by cloning it around
+    `call_for_each_replica` of its Python function (`Function._clone(python_function=...)`,
+    skipped for XLA on GPUs only): tfdp does the same, with its weighing inside."""
+    import inspect
+
+    from tensorflow.python.distribute import mirrored_run
+
+    source = inspect.getsource(mirrored_run.call_for_each_replica)
+    assert "fn._clone(" in source and "python_function=wrapped_fn" in source
+    assert "fn._jit_compile" in source
+
+
+def _batch_normalization_moments():
+    """Keras' BatchNormalization computes its training statistics in `_moments(inputs, mask)`
+    over `_reduction_axes`, then assigns its moving statistics (tfdp's replacement of
+    `_moments` gives the whole batch's)."""
+    import inspect
+
+    from tfdp.engine.strategy import _batch_statistics_installed
+
+    layer = keras.layers.BatchNormalization
+    moments = _batch_statistics_installed.get("moments", layer._moments)  # noqa: SLF001
+    assert list(inspect.signature(moments).parameters) == ["self", "inputs", "mask"]
+    call = inspect.getsource(layer.call)
+    assert call.index("self._moments(inputs, mask)") < call.index("self.moving_mean.assign(")
+    built = layer()
+    built.build((None, 3, 5))
+    assert built._reduction_axes == [0, 1]  # noqa: SLF001
+
+
+def _optimizer_variables_come_from_add_variable():
+    """A Keras optimizer makes every variable of its own through `BaseOptimizer.add_variable`
+    (its slots through `add_variable_from_reference`): tfdp's check of a build inside a
+    distributed tf.function sits there."""
+    import inspect
+
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    assert "self.add_variable(" in inspect.getsource(BaseOptimizer.add_variable_from_reference)
+
+
+def _a_distributed_dataset_without_rebatching():
+    """`input_util.get_distributed_dataset(..., num_replicas_in_sync=None)` deals the
+    dataset's elements to the replicas in turn, unrebatched (tfdp's pieces, one each)."""
+    from tfdp import internals as tfdp_internals
+
+    made = strategy()
+    pieces = tf.data.Dataset.from_tensor_slices(tf.constant([[1, 2], [3, 4]], tf.int64))
+    distributed = tfdp_internals.distribute_without_rebatching(made, pieces, None)
+    got = [list(p.numpy()) for p in made.experimental_local_results(next(iter(distributed)))]
+    assert got == [[1, 2], [3, 4]]
+
+
 INTERNALS = {
     "keras.src.losses.loss.scale_loss_for_distribution": _loss_scaling_is_tfdps,
     "TensorFlowTrainer._make_function / make_predict_function / _maybe_symbolic_build": _keras_functions_are_there,
@@ -882,6 +937,10 @@ INTERNALS = {
     "values_util.on_write_assign": _assignment_goes_through_on_write_assign,
     "MultiDeviceIterator round robin": _round_robin_gives_replica_i_piece_i,
     "BaseOptimizer._clip_gradients before the all-reduce; CompileLoss trackers; Mean": _optimizers_clip_before_their_all_reduce,
+    "mirrored_run lifts a tf.function by Function._clone": _tensorflow_lifts_a_tf_function_by_cloning_it,
+    "BatchNormalization._moments and _reduction_axes": _batch_normalization_moments,
+    "input_util.get_distributed_dataset without rebatching": _a_distributed_dataset_without_rebatching,
+    "BaseOptimizer.add_variable makes an optimizer's variables": _optimizer_variables_come_from_add_variable,
 }
 
 
@@ -904,5 +963,5 @@ def test_the_pieces_run_without_tf_data_autotuning_unless_the_user_set_it():
     options = tf.data.Options()
     options.autotune.enabled = True
     tuned = made.experimental_distribute_dataset(tf.data.Dataset.range(8).batch(4).with_options(options))
-    assert [d.options().autotune.enabled for d in plain._datasets] == [False]  # noqa: SLF001
-    assert [d.options().autotune.enabled for d in tuned._datasets] == [True]  # noqa: SLF001
+    assert [d.options().autotune.enabled for d in plain._cloned_datasets] == [False]  # noqa: SLF001
+    assert [d.options().autotune.enabled for d in tuned._cloned_datasets] == [True]  # noqa: SLF001

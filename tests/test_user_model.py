@@ -159,17 +159,33 @@ def test_synchronized_batch_norm_is_exact_in_mirrored(data):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_weighted_batch_norm_keeps_the_whole_batch_moving_mean(data):
-    """Per-shard batch statistics change the forward pass, but the moving mean after the
-    first step is the whole batch's, however the batch was split."""
+def test_batch_norm_is_exact_in_every_mode(data):
+    """A BatchNormalization layer as Keras makes it (not synchronized) normalizes every
+    shard by the whole batch's statistics: mirrored and weighted make single's update."""
+    make = lambda: two_input_model(batch_norm=False)
+    single, _ = train_steps("single", CPUS[:1], (), 2, data, make=make)
+    for mode, devices, powers in (("mirrored", CPUS[:3], ()), ("weighted", CPUS[:2], (1, 3))):
+        trainer, _ = train_steps(mode, devices, powers, 2, data, make=make)
+        for got, want in zip(trainer.model.get_weights(), single.model.get_weights(), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_weighted_batch_norm_by_replica_keeps_the_whole_batch_moving_mean(data):
+    """With batch_statistics="replica", per-shard batch statistics change the forward pass,
+    but the moving mean after the first step is the whole batch's, however the batch was
+    split."""
     make = lambda: two_input_model(batch_norm=False)
     single, _ = train_steps("single", CPUS[:1], (), 1, data, make=make)
-    weighted, _ = train_steps("weighted", CPUS[:2], (1, 3), 1, data, make=make)
+    weighted, _ = train_steps("weighted", CPUS[:2], (1, 3), 1, data, make=make,
+                              batch_statistics="replica")
     names = [w.path for w in single.model.weights]
     moving_mean = next(i for i, name in enumerate(names) if name.endswith("moving_mean"))
     got, want = weighted.model.get_weights()[moving_mean], single.model.get_weights()[moving_mean]
     assert np.abs(want).max() > 1e-3  # it moved
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    gamma = next(i for i, name in enumerate(names) if name.endswith("gamma"))
+    assert not np.allclose(weighted.model.get_weights()[gamma], single.model.get_weights()[gamma],
+                           rtol=1e-6, atol=0)  # the forward pass differs: not single's update
 
 
 def test_fit_trains_a_model_object_in_place(data, tmp_path):

@@ -13,6 +13,7 @@ MODELS = ("lenet", "toy")
 DATASETS = ("mnist", "toy")
 INITS = ("tutorial", "keras")
 ALL_REDUCES = ("auto", "reduce_to_one", "nccl")
+BATCH_STATISTICS = ("whole", "replica")
 MIRRORED_INPUTS = ("split", "dataset")
 REDUCES = ("device0", "allreduce")
 COLLECTIVES = ("auto", "ring", "nccl")
@@ -167,6 +168,13 @@ class Config:
         "weighted, multiworker: re-split the batch toward equal device finishing times, from "
         "the per-device times measured over windows of K steps (the first windows of a run: "
         "1, 2, 4, ... steps); 0: never.",
+    )
+    batch_statistics: str = setting(
+        "whole",
+        "mirrored, weighted, multiworker: what BatchNormalization normalizes by in training: "
+        "whole, the whole global batch's statistics (every mode makes single's update); "
+        "replica, each device's shard's own, as TensorFlow's strategies compute them.",
+        choices=BATCH_STATISTICS,
     )
     chains: int = setting(
         0,

@@ -132,6 +132,29 @@ def loss_scaling():
 
 
 @functools.cache
+def batch_normalization():
+    """`keras.layers.BatchNormalization`, whose `_moments(inputs, mask)` tfdp replaces
+    under its strategies (the whole batch's statistics). Checked: Keras 3.10.0-3.15.1,
+    the same signature; `_reduction_axes`, `axis`, `moving_mean` and `synchronized` read."""
+    import keras
+
+    return keras.layers.BatchNormalization
+
+
+def reduction_axes(layer) -> list[int]:
+    """The axes a BatchNormalization layer reduces over (`_reduction_axes`, set when it is
+    built). Checked: Keras 3.10.0-3.15.1."""
+    return layer._reduction_axes  # noqa: SLF001
+
+
+def keras_epsilon() -> float:
+    """Keras' fuzz factor (`keras.config.epsilon()`), as its masked moments add it."""
+    import keras
+
+    return keras.config.epsilon()
+
+
+@functools.cache
 def mean_metric_wrapper():
     """`keras.src.metrics.reduction_metrics.MeanMetricWrapper`: the compiled metrics
     whose values tfdp weighs by share. Checked: Keras 3.10.0-3.15.1."""
@@ -374,6 +397,70 @@ def autograph_convert(fn):
     from tensorflow.python.autograph.impl import api as autograph
 
     return autograph.tf_convert(fn, ag_ctx.control_status_ctx(), convert_by_default=False)
+
+
+def replace_everywhere(original, replacement) -> None:
+    """`replacement` wherever TensorFlow's modules hold `original` under its name (the
+    public API's modules, `tf.nn` and `tf.compat.v2.nn` among them, and the module that
+    defines it): a caller that looks the function up when it calls it gets the
+    replacement. Checked: TensorFlow 2.19.1-2.21.0."""
+    import sys
+
+    name = original.__name__
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith("tensorflow"):
+            continue
+        if getattr(module, name, None) is original:
+            setattr(module, name, replacement)
+
+
+def clone_function(function, python_function):
+    """A `tf.function` with `function`'s settings (input signature, XLA, ...) around
+    `python_function`, as tf.distribute lifts a tf.function over the replicas
+    (`Function._clone`, `mirrored_run.call_for_each_replica`).
+    Checked: TensorFlow 2.19.1-2.21.0."""
+    return function._clone(python_function=python_function)  # noqa: SLF001
+
+
+def as_the_function_converts(function):
+    """A `tf.function`'s Python function, converted by AutoGraph where the tf.function
+    converts it (`_autograph`, True unless `autograph=False`), as tf.distribute converts
+    the function it lifts. Checked: TensorFlow 2.19.1-2.21.0."""
+    from tensorflow.python.autograph.core import ag_ctx
+    from tensorflow.python.autograph.impl import api as autograph
+
+    python_function = function.python_function
+    if not getattr(function, "_autograph", True):
+        return python_function
+    return autograph.tf_convert(python_function, ag_ctx.ControlStatusCtx(ag_ctx.Status.ENABLED))
+
+
+def function_jit_compile(function) -> bool:
+    """Whether a `tf.function` compiles with XLA (`_jit_compile`).
+    Checked: TensorFlow 2.19.1-2.21.0."""
+    return bool(getattr(function, "_jit_compile", False))
+
+
+@functools.cache
+def mirrored_type():
+    """`tensorflow.python.distribute.values.Mirrored`: a value the same on every replica
+    (not a batch). Checked: TensorFlow 2.19.1-2.21.0."""
+    from tensorflow.python.distribute import values
+
+    return values.Mirrored
+
+
+def distribute_without_rebatching(strategy, dataset, options):
+    """TensorFlow's own DistributedDataset of `dataset` over `strategy`'s input workers,
+    each element one replica's piece, in turn (`input_util.get_distributed_dataset` with
+    no rebatching; `_input_workers_with_options`, as MirroredStrategy's own
+    `experimental_distribute_dataset` makes it). Checked: TensorFlow 2.19.1-2.21.0."""
+    from tensorflow.python.distribute import input_util
+
+    workers = strategy.extended._input_workers_with_options(options)  # noqa: SLF001
+    return input_util.get_distributed_dataset(
+        dataset, workers, strategy, num_replicas_in_sync=None, options=options
+    )
 
 
 @contextlib.contextmanager

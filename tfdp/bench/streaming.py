@@ -19,6 +19,9 @@ Rows, each in its own process, in interleaved rounds A B C ... A B C ...:
                             model built and compiled in strategy.scope()
   tfdp mirrored x2          tfdp.fit(..., mode="mirrored") on 2 logical CPUs
   tfdp weighted x2          tfdp.fit(..., mode="weighted", powers=(1, 1)) on 2 logical CPUs
+  tfdp mirrored x2 replica statistics   the same two with batch_statistics="replica":
+  tfdp weighted x2 replica statistics   BatchNormalization by each device's shard (the
+                            rows above: by the whole batch, one all-reduce per layer)
 
 Timing: one `fit` call of `--warmup` + `--iterations` steps; a callback reads each
 batch's loss (so that the step is done) and stamps the time. The rate is the
@@ -83,6 +86,7 @@ class StreamSpec(Spec):
 
     source: str = "stream"
     augmented: bool = True
+    batch_statistics: str = "whole"  # BatchNormalization's, in tfdp's modes over 2 devices
 
 
 def configurations() -> list[StreamSpec]:
@@ -95,6 +99,10 @@ def configurations() -> list[StreamSpec]:
         StreamSpec("keras fit mirrored x2", "keras", "fit", 2),
         StreamSpec("tfdp mirrored x2", "tfdp", "mirrored", 2),
         StreamSpec("tfdp weighted x2", "tfdp", "weighted", 2, (1.0, 1.0)),
+        StreamSpec("tfdp mirrored x2 replica statistics", "tfdp", "mirrored", 2,
+                   batch_statistics="replica"),
+        StreamSpec("tfdp weighted x2 replica statistics", "tfdp", "weighted", 2, (1.0, 1.0),
+                   batch_statistics="replica"),
     ]
 
 
@@ -305,6 +313,8 @@ def train(spec: StreamSpec, devices: list[str], data, steps: int, clock, batch_s
     settings = {"mode": spec.mode, "devices": ",".join(short_name(d) for d in devices)}
     if spec.powers:
         settings["powers"] = spec.powers
+    if spec.batch_statistics != "whole":
+        settings["batch_statistics"] = spec.batch_statistics
     inputs = (data, None) if spec.source == "stream" else data
     batch = batch_size if spec.source == "arrays" else None
     original = Trainer.train_step

@@ -27,7 +27,8 @@ class MultiWorkerMirroredStrategy(UnevenShares, tf.distribute.MultiWorkerMirrore
       cluster: where the cluster comes from: "auto", "tf_config" or "slurm" (as `tfdp
         --cluster`); TF_CONFIG is set from Slurm's variables where needed.
       communication_options: as TensorFlow's.
-      rebalance_every, measure_steps, simulate_slowdown: as in `tfdp.MirroredStrategy`.
+      rebalance_every, measure_steps, simulate_slowdown, batch_statistics: as in
+        `tfdp.MirroredStrategy`.
     """
 
     def __init__(
@@ -39,11 +40,13 @@ class MultiWorkerMirroredStrategy(UnevenShares, tf.distribute.MultiWorkerMirrore
         rebalance_every=None,
         measure_steps=5,
         simulate_slowdown=None,
+        batch_statistics="whole",
         **settings,
     ):
         find_cluster(Config(mode="multiworker", cluster=cluster, **settings))
         super().__init__(communication_options=communication_options)
-        self._set_up_shares(powers, rebalance_every, measure_steps, simulate_slowdown)
+        self._set_up_shares(powers, rebalance_every, measure_steps, simulate_slowdown,
+                            batch_statistics)
 
 
 _strategy = None

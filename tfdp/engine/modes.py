@@ -34,17 +34,23 @@ def cross_device_ops_for(all_reduce: str, devices):
     return None  # auto
 
 
-def local_strategy(devices, shards, reduce="allreduce", all_reduce="auto") -> MirroredStrategy:
+def local_strategy(
+    devices, shards, reduce="allreduce", all_reduce="auto", batch_statistics="whole"
+) -> MirroredStrategy:
     """tfdp's strategy over `devices` of this machine, cutting batches by `shards`.
 
     reduce: "allreduce", or "device0" (the gradients summed on device 0 and sent back).
     all_reduce: with reduce="allreduce", see `cross_device_ops_for`.
+    batch_statistics: what BatchNormalization normalizes by ("whole" or "replica").
     """
     cross_device_ops = None if reduce == "device0" else cross_device_ops_for(all_reduce, devices)
     # The shares cut a dataset (input "dataset"); a batch smaller than the devices
     # leaves a replica none, which even shares give too.
     powers = list(shards) if min(shards) > 0 else None
-    return MirroredStrategy(list(devices), powers=powers, reduce=reduce, cross_device_ops=cross_device_ops)
+    return MirroredStrategy(
+        list(devices), powers=powers, reduce=reduce, cross_device_ops=cross_device_ops,
+        batch_statistics=batch_statistics,
+    )
 
 
 def build_trainer(
@@ -70,7 +76,8 @@ def build_trainer(
     if len(devices) > 1:
         even = config.mode == "mirrored"
         strategy = local_strategy(
-            devices, shards, "allreduce" if even else config.reduce, config.all_reduce
+            devices, shards, "allreduce" if even else config.reduce, config.all_reduce,
+            config.batch_statistics,
         )
         return Trainer(
             model,

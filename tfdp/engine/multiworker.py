@@ -237,9 +237,9 @@ class MultiWorkerTrainer(Trainer):
 
 def build(config, shards, model, jit_compile=False) -> MultiWorkerTrainer:
     """The trainer of `modes.build_trainer` for mode multiworker."""
-    return MultiWorkerTrainer(
-        join_cluster(config), find_cluster(config), model, shards, config, jit_compile
-    )
+    strategy = join_cluster(config)
+    strategy.batch_statistics = config.batch_statistics
+    return MultiWorkerTrainer(strategy, find_cluster(config), model, shards, config, jit_compile)
 
 
 def initial_weights(config, weights) -> Agreed:

@@ -32,17 +32,20 @@ import contextlib
 import itertools
 import threading
 import warnings
+import weakref
 
 import tensorflow as tf
 
 from tfdp import internals
 from tfdp.engine import clock as host_clock
 from tfdp.engine import shards
+from tfdp.config import BATCH_STATISTICS
 from tfdp.errors import ConfigError
 
 REDUCES = ("allreduce", "device0")
 _key_bases = itertools.count(1)
 _local = threading.local()  # the replica step being traced in this thread
+_local.moving_statistics = set()
 
 
 def next_collective_key_base() -> int:
@@ -61,33 +64,48 @@ class UnevenShares:
     """What tfdp's strategies add to TensorFlow's: the cut, the weight, the logs, the
     moving statistics, and the shares themselves (given, or measured)."""
 
-    def _set_up_shares(self, powers, rebalance_every, measure_steps, simulate_slowdown):
+    def _set_up_shares(self, powers, rebalance_every, measure_steps, simulate_slowdown,
+                       batch_statistics="whole"):
         count = self.num_replicas_in_sync
+        if batch_statistics not in BATCH_STATISTICS:
+            raise ConfigError("batch_statistics", batch_statistics,
+                              f"must be one of {', '.join(BATCH_STATISTICS)}")
+        self.batch_statistics = batch_statistics
         self.auto = isinstance(powers, str) and powers == "auto"
         self.powers = [1.0] * count if self.auto else _checked_powers(powers, count)
+        # powers=None: TensorFlow's own cut of a dataset (its static shapes too), until new
+        # powers are set; the weighing in `run` makes any cut exact
+        self.tensorflows_cut = powers is None
         self.rebalance_every = _checked_steps("rebalance_every", rebalance_every, allow_none=True)
         self.measure_steps = _checked_steps("measure_steps", measure_steps)
         self.slowdown = _checked_slowdown(simulate_slowdown, count)
-        with tf.init_scope(), tf.device("/cpu:0"):
-            self._shares = tf.Variable(
-                _shares(self.powers), trainable=False, dtype=tf.float64, name="tfdp_shares"
-            )
-            self._timed_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdp_timed_steps")
-            self._window_rows = tf.Variable(tf.zeros([count], tf.float64), trainable=False)
-            self._window_seconds = tf.Variable(tf.zeros([count], tf.float64), trainable=False)
-            self._measured = tf.Variable(tf.zeros([count], tf.float64), trainable=False)
-            self._slowdown_calls = tf.Variable(tf.zeros([count], tf.int64), trainable=False)
-            self._slowdown_per_example = tf.Variable(tf.zeros([count], tf.float64), trainable=False)
-            self._last_seconds = tf.Variable(tf.zeros([count], tf.float64), trainable=False)
+        self._books = None  # the variables of the shares and the timing, made on first use
         self._reports_seconds = False
         self._sent = self._received = None
         self.notes = []  # how it ran a model's own step, where not as Keras would (one line each)
         self.warn_notes = True
         self._sleep_per_example = None
+        self._lifted = weakref.WeakKeyDictionary()  # a tf.function -> it, over the replicas
         shards.install()
         _install_assign_by_share()
         _install_clip_of_the_sum()
         _install_keras_functions()
+        _install_tensorflows_losses()
+        _install_batch_statistics()
+        _install_build_check()
+
+    def _variable(self, value, dtype, name):
+        """A variable of tfdp's books: on the host, outside any strategy's scope and any
+        graph of the caller's (a tf.compat.v1 graph gets none of tfdp's variables)."""
+        with tf.init_scope(), internals.outside_strategy_scopes(), tf.device("/cpu:0"):
+            return tf.Variable(value, trainable=False, dtype=dtype, name=name)
+
+    @property
+    def books(self) -> _Books:
+        """The shares and the timing, as variables a step reads and writes (made on first use)."""
+        if self._books is None:
+            self._books = _Books(self, self.num_replicas_in_sync)
+        return self._books
 
     @property
     def local_replicas(self) -> int:
@@ -99,19 +117,25 @@ class UnevenShares:
     @property
     def shares(self) -> list[float]:
         """Each replica's fraction of a global batch, in replica order."""
-        return [float(s) for s in self._shares.numpy()]
+        if self._books is None:
+            return _shares(self.powers)
+        return [float(s) for s in self._books.shares.numpy()]
 
     @property
     def measured_speeds(self) -> list[float]:
         """Examples per second of each replica's step in the last measurement (powers="auto";
         zeros before the first)."""
-        return [float(s) for s in self._measured.numpy()]
+        if self._books is None:
+            return [0.0] * self.num_replicas_in_sync
+        return [float(s) for s in self._books.measured.numpy()]
 
     def set_powers(self, powers) -> None:
         """New relative speeds; batches cut from now on take the new shares (a few batches
         may already be cut, and are weighed by the rows they hold, so the update stays exact)."""
         self.powers = _checked_powers(powers, self.num_replicas_in_sync)
-        self._shares.assign(_shares(self.powers))
+        self.tensorflows_cut = False
+        if self._books is not None:
+            self._books.shares.assign(_shares(self.powers))
 
     def report_seconds(self, sleep_per_example=None) -> None:
         """Every step from now on times each replica (`last_seconds`), as a driver that
@@ -121,10 +145,7 @@ class UnevenShares:
         Takes effect in steps traced after it."""
         self._reports_seconds = True
         if sleep_per_example is not None:
-            with tf.init_scope(), tf.device("/cpu:0"):
-                self._sleep_per_example = tf.Variable(
-                    sleep_per_example, dtype=tf.float64, trainable=False, name="tfdp_sleep"
-                )
+            self._sleep_per_example = self._variable(sleep_per_example, tf.float64, "tfdp_sleep")
 
     def send_along(self, values) -> None:
         """Every step from now on also sums `values` (a float32 vector variable of this
@@ -132,10 +153,9 @@ class UnevenShares:
         costs no collective of its own (a driver's stop signals); `received` holds the last
         step's sum. Takes effect in steps traced after it."""
         self._sent = values
-        with tf.init_scope(), tf.device("/cpu:0"):
-            self._received = tf.Variable(
-                tf.zeros_like(values), trainable=False, name="tfdp_received"
-            )
+        self._received = self._variable(
+            lambda: tf.zeros(values.shape, values.dtype), values.dtype, "tfdp_received"
+        )
 
     @property
     def received(self) -> tf.Tensor:
@@ -166,12 +186,12 @@ class UnevenShares:
     @property
     def last_seconds(self) -> tf.Tensor:
         """Each replica's seconds in the last timed step (with `report_seconds`)."""
-        return self._last_seconds.read_value()
+        return self.books.last_seconds.read_value()
 
     def piece_bounds(self, rows):
         """Where a batch of `rows` rows is cut: R+1 increasing row indices from 0 to rows."""
         rows = tf.cast(rows, tf.int64)
-        ends = tf.cast(tf.floor(tf.cast(rows, tf.float64) * tf.cumsum(self._shares) + 0.5), tf.int64)
+        ends = tf.cast(tf.floor(tf.cast(rows, tf.float64) * tf.cumsum(self.books.shares) + 0.5), tf.int64)
         ends = tf.minimum(ends, rows)
         ends = tf.concat([ends[:-1], [rows]], 0)
         return tf.concat([[tf.constant(0, tf.int64)], ends], 0)
@@ -180,11 +200,11 @@ class UnevenShares:
         """The simulated slowdown of one replica: a sleep of (factor - 1) times its seconds
         per example, taken from its second step (the first sets up kernels) and fixed from
         then on, so that the sleep follows the rows it is given. Returns the time after it."""
-        calls = self._slowdown_calls.scatter_nd_add([[replica]], [1])[replica]
+        calls = self.books.slowdown_calls.scatter_nd_add([[replica]], [1])[replica]
         seconds = tf.maximum(end - start, 0.0)
         per_example = tf.math.divide_no_nan(seconds, tf.cast(rows, tf.float64))
-        fixed = self._slowdown_per_example.scatter_nd_update(
-            [[replica]], [tf.where(tf.equal(calls, 2), per_example, self._slowdown_per_example[replica])]
+        fixed = self.books.slowdown_per_example.scatter_nd_update(
+            [[replica]], [tf.where(tf.equal(calls, 2), per_example, self.books.slowdown_per_example[replica])]
         )[replica]
         sleep = tf.where(fixed > 0, fixed * tf.cast(rows, tf.float64), seconds) * (factor - 1.0)
         return host_clock.sleep_then_read(end, sleep)
@@ -192,10 +212,11 @@ class UnevenShares:
     def _account(self, rows, seconds):
         """One timed step's rows and seconds per replica, into the measurement window;
         at the window's end the shares become the measured speeds (in the step's graph)."""
-        step = self._timed_steps.assign_add(1)
+        books = self.books
+        step = books.timed_steps.assign_add(1)
         counting = step > 1  # the first step sets up kernels
-        window_rows = self._window_rows.assign_add(tf.where(counting, rows, 0.0))
-        window_seconds = self._window_seconds.assign_add(tf.where(counting, seconds, 0.0))
+        window_rows = books.window_rows.assign_add(tf.where(counting, rows, 0.0))
+        window_seconds = books.window_seconds.assign_add(tf.where(counting, seconds, 0.0))
         first = self.measure_steps
         due = tf.equal(step, first + 1)
         if self.rebalance_every:
@@ -203,52 +224,35 @@ class UnevenShares:
             due = tf.logical_or(due, later)
         speeds = tf.math.divide_no_nan(window_rows, window_seconds)
         valid = tf.logical_and(due, tf.reduce_all(speeds > 0))
-        self._measured.assign(tf.where(valid, speeds, self._measured))
-        self._shares.assign(tf.where(valid, speeds / tf.reduce_sum(speeds), self._shares))
-        self._window_rows.assign(tf.where(due, tf.zeros_like(rows), window_rows))
-        self._window_seconds.assign(tf.where(due, tf.zeros_like(seconds), window_seconds))
+        books.measured.assign(tf.where(valid, speeds, books.measured))
+        books.shares.assign(tf.where(valid, speeds / tf.reduce_sum(speeds), books.shares))
+        books.window_rows.assign(tf.where(due, tf.zeros_like(rows), window_rows))
+        books.window_seconds.assign(tf.where(due, tf.zeros_like(seconds), window_seconds))
 
     # -- data ---------------------------------------------------------------------------
 
     def experimental_distribute_dataset(self, dataset, options=None):
-        """The dataset's batches, each cut into one piece per replica by share."""
-        local = self.local_replicas
+        """The dataset's batches, each cut into one piece per replica: TensorFlow's own
+        cut with even shares (`powers=None`), else by share (`piece_bounds`). Either way
+        a `tf.distribute.DistributedDataset`, as TensorFlow's strategy returns."""
         structure = dataset.element_spec
         if dataset.options().autotune.enabled is None:  # the user's own setting stands
             dataset = dataset.with_options(_without_autotune())
+        replication = None if options is None else options.experimental_replication_mode
+        if self.tensorflows_cut or replication == tf.distribute.InputReplicationMode.PER_REPLICA:
+            distributed = super().experimental_distribute_dataset(dataset, options)
+        else:
+            distributed = self._distribute_by_share(dataset, structure, options)
+        distributed._tfdp_element_spec = structure  # noqa: SLF001 (Keras builds the model from it)
+        distributed._tfdp_dataset = dataset  # noqa: SLF001 (tfdp.fit cuts its global batches itself)
+        return distributed
+
+    def _distribute_by_share(self, dataset, structure, options):
         if not any(_has_rows(spec) for spec in tf.nest.flatten(structure)):
             raise ConfigError(
                 "dataset", structure, "has no batch axis: batch it first (dataset.batch(n))"
             )
-
-        def pieces_for(first):
-            """This worker's pieces of each global batch: replicas first..first+local-1."""
-
-            def cut(*element):
-                batch = element if isinstance(structure, tuple) else element[0]
-                leaves = tf.nest.flatten(batch)
-                bounds = self.piece_bounds(rows_of(leaves))
-
-                def piece(index):
-                    start, stop = bounds[index], bounds[index + 1]
-                    # the element's own structure (a list stays a list, a 1-tuple a 1-tuple)
-                    return tf.nest.pack_sequence_as(
-                        structure, [_rows(leaf, start, stop) for leaf in leaves]
-                    )
-
-                return tf.data.Dataset.range(first, first + local).map(piece)
-
-            return dataset.flat_map(cut)
-
-        input_options = tf.distribute.InputOptions(
-            experimental_replication_mode=tf.distribute.InputReplicationMode.PER_WORKER,
-            experimental_fetch_to_device=(
-                True if options is None else options.experimental_fetch_to_device
-            ),
-            experimental_per_replica_buffer_size=(
-                1 if options is None else options.experimental_per_replica_buffer_size
-            ),
-        )
+        local = self.local_replicas
         # Every replica gets a piece of every batch (maybe empty), so TensorFlow's stand-ins
         # for a replica without data are never used; they cannot be made for a None (an
         # optional input given None), so a dataset holding one is read without them.
@@ -257,14 +261,80 @@ class UnevenShares:
         if any(_none_for_none_spec(spec) is None for spec in tf.nest.flatten(structure)):
             extended.experimental_enable_get_next_as_optional = False
         try:
-            distributed = self.distribute_datasets_from_function(
-                lambda context: pieces_for(context.input_pipeline_id * local), input_options
-            )
+            if isinstance(self, tf.distribute.MultiWorkerMirroredStrategy):
+                # every worker reads the global batches and keeps its own replicas' pieces
+                input_options = tf.distribute.InputOptions(
+                    experimental_replication_mode=tf.distribute.InputReplicationMode.PER_WORKER,
+                    experimental_fetch_to_device=(
+                        True if options is None else options.experimental_fetch_to_device
+                    ),
+                    experimental_per_replica_buffer_size=(
+                        1 if options is None else options.experimental_per_replica_buffer_size
+                    ),
+                )
+                return super().distribute_datasets_from_function(
+                    lambda context: self._pieces(dataset, context.input_pipeline_id * local),
+                    input_options,
+                )
+            return internals.distribute_without_rebatching(self, self._pieces(dataset, 0), options)
         finally:
             extended.experimental_enable_get_next_as_optional = stand_ins
-        distributed._tfdp_element_spec = structure  # noqa: SLF001 (Keras builds the model from it)
-        distributed._tfdp_dataset = dataset  # noqa: SLF001 (tfdp.fit cuts its global batches itself)
-        return distributed
+
+    def _pieces(self, dataset, first):
+        """Replicas first..first+local-1's pieces of each global batch, in turn."""
+        structure = dataset.element_spec
+        local = self.local_replicas
+        self.books  # noqa: B018 (the shares the cut reads, made outside the dataset's functions)
+
+        def cut(*element):
+            batch = element if isinstance(structure, tuple) else element[0]
+            leaves = tf.nest.flatten(batch)
+            bounds = self.piece_bounds(rows_of(leaves))
+
+            def piece(index):
+                start, stop = bounds[index], bounds[index + 1]
+                # the element's own structure (a list stays a list, a 1-tuple a 1-tuple)
+                return tf.nest.pack_sequence_as(
+                    structure, [_rows(leaf, start, stop) for leaf in leaves]
+                )
+
+            return tf.data.Dataset.range(first, first + local).map(piece)
+
+        return dataset.flat_map(cut)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """TensorFlow's, with the replicas' pieces by share where the shares are not
+        even: each worker's dataset (`dataset_fn`'s, of per-replica batches) is read as
+        whole global batches (`rebatch`) and cut as `experimental_distribute_dataset`
+        cuts. The global batch is what `dataset_fn` asks of the context's
+        `get_per_replica_batch_size`, else its per-replica batch's static size times
+        the replicas; several workers with uneven shares are refused (each reads data
+        of its own, which cannot be cut across them)."""
+        replication = None if options is None else options.experimental_replication_mode
+        if self.tensorflows_cut or replication == tf.distribute.InputReplicationMode.PER_REPLICA:
+            return super().distribute_datasets_from_function(dataset_fn, options)
+        if self.num_replicas_in_sync != self.local_replicas:
+            raise ConfigError(
+                "powers", "auto" if self.auto else self.powers,
+                "distribute_datasets_from_function cannot cut by share over several workers "
+                "(each reads its own data): use experimental_distribute_dataset, or powers=None",
+            )
+        local = self.local_replicas
+
+        def by_share(context):
+            asked = _AskedContext(context)
+            dataset = dataset_fn(asked)
+            per_replica = asked.per_replica or _static_rows(dataset.element_spec)
+            if per_replica is None:
+                raise ConfigError(
+                    "powers", "auto" if self.auto else self.powers,
+                    "distribute_datasets_from_function cuts the global batch by share, and "
+                    "cannot tell it: call context.get_per_replica_batch_size(global_batch) "
+                    "in the dataset function, or batch with drop_remainder=True",
+                )
+            return self._pieces(dataset.rebatch(per_replica * local), 0)
+
+        return super().distribute_datasets_from_function(by_share, options)
 
     # -- the step -----------------------------------------------------------------------
 
@@ -278,16 +348,40 @@ class UnevenShares:
         return all("GPU" in d.upper() for d in self.extended.worker_devices)
 
     def run(self, fn, args=(), kwargs=None, options=None):
-        """`fn` in every replica, its losses weighed by the replica's share of the batch."""
+        """`fn` in every replica, its losses weighed by the replica's share of the batch.
+
+        As TensorFlow's: a `tf.function` is lifted over the replicas (one function that
+        runs every replica inside it, so a sync point in it works and each replica reads
+        its own copy of a variable), and a `tf.function` compiled with XLA on GPUs only is
+        called in each replica. The batch is the arguments that hold a value per replica
+        (a distributed dataset's pieces; every argument, on one replica per worker)."""
+        kwargs = kwargs or {}
+        if isinstance(fn, tf.types.experimental.PolymorphicFunction) and not (
+            internals.function_jit_compile(fn) and self.compiles_with_xla
+        ):
+            lifted = self._lifted.get(fn)
+            if lifted is None:
+                # converted as the tf.function would convert it (not tfdp's own code)
+                python_function = internals.as_the_function_converts(fn)
+
+                @tf.autograph.experimental.do_not_convert
+                def over_the_replicas(*lifted_args, **lifted_kwargs):
+                    return self.run(python_function, lifted_args, lifted_kwargs, options)
+
+                lifted = self._lifted[fn] = internals.clone_function(fn, over_the_replicas)
+            return lifted(*args, **kwargs)
+
         model = _trainer_of(fn)
         fn = internals.autograph_convert(fn)
-
         timed = self.auto or bool(self.slowdown) or self._reports_seconds
+        if timed:
+            self.books  # noqa: B018 (made here, outside the replicas' threads)
+        batch = _batch_positions((args, kwargs), every=self.local_replicas == 1)
 
         @tf.autograph.experimental.do_not_convert
         def weighed(*replica_args, **replica_kwargs):
-            rows = rows_of((replica_args, replica_kwargs))
-            if rows is None:  # nothing to weigh by: Keras' own 1/R
+            rows = rows_of(_leaves_at((replica_args, replica_kwargs), batch))
+            if rows is None:  # no batch: Keras' own 1/R
                 return fn(*replica_args, **replica_kwargs)
             context = tf.distribute.get_replica_context()
             all_reduce = _placed(context, self)  # tfdp's own reductions are never timed
@@ -302,6 +396,7 @@ class UnevenShares:
                         tf.identity, (replica_args, replica_kwargs), expand_composites=True
                     )
             _local.fraction, _local.all_reduce = fraction, all_reduce
+            _local.moving_statistics = set()  # BatchNormalization's, with "replica" statistics
             _local.own_loss = model is not None and shards.overrides(model, fn.__name__)
             _local.weighed_own = False
             try:
@@ -319,9 +414,10 @@ class UnevenShares:
                     outputs = whole_batch_logs(model, outputs, fraction, context, all_reduce)
             finally:
                 _local.fraction = _local.all_reduce = _local.own_loss = None
+                _local.moving_statistics = set()
             return outputs
 
-        return super().run(weighed, args=args, kwargs=kwargs or {}, options=options)
+        return super().run(weighed, args=args, kwargs=kwargs, options=options)
 
     def run_unweighed(self, fn, args=(), kwargs=None):
         """TensorFlow's `run`: `fn` in every replica as it is, with no collective of tfdp's
@@ -358,17 +454,39 @@ class UnevenShares:
             warnings.warn(f"tfdp.MirroredStrategy: {note}", stacklevel=3)
 
     def reduce(self, reduce_op, value, axis=None):
-        """TensorFlow's reduce, but: pieces of a batch whose shapes differ, reduced with
-        axis=None, are put back together (the batch they were cut from); a value without
-        a batch axis (a scalar log) is reduced across the replicas only, where TensorFlow
-        fails to reduce it along `axis` (Keras does so for every log on several workers)."""
-        if axis is None and tf.executing_eagerly() and _unequal_pieces(self, value):
-            return tf.nest.map_structure(
-                lambda v: _concat(self.experimental_local_results(v)), value
-            )
+        """TensorFlow's reduce, but: with axis=None, a value whose replicas' pieces differ
+        in shape (pieces of a batch cut by share) is those pieces concatenated in replica
+        order, the batch they were cut from, for SUM and MEAN alike; eagerly and in a
+        tf.function the same (decided when the step runs where the shapes are not static).
+        Pieces of equal shapes reduce as TensorFlow's. A value without a batch axis (a
+        scalar log) is reduced across the replicas only, where TensorFlow fails to reduce
+        it along `axis` (Keras does so for every log on several workers)."""
         if axis is not None and _rank(self, value) == 0:
             axis = None
-        return super().reduce(reduce_op, value, axis)
+        tensorflows = super().reduce
+        if axis is not None:
+            return tensorflows(reduce_op, value, axis)
+        leaves = tf.nest.flatten(value)
+        if not any(_rank(self, leaf) for leaf in leaves):
+            return tensorflows(reduce_op, value, axis)
+        return tf.nest.pack_sequence_as(
+            value, [_pieces_reduced(self, tensorflows, reduce_op, leaf) for leaf in leaves]
+        )
+
+
+class _Books:
+    """The variables a step reads and writes: the shares, and the timing behind "auto"."""
+
+    def __init__(self, strategy, count):
+        make = strategy._variable  # noqa: SLF001 (the strategy's own maker)
+        self.shares = make(_shares(strategy.powers), tf.float64, "tfdp_shares")
+        self.timed_steps = make(0, tf.int64, "tfdp_timed_steps")
+        self.window_rows = make([0.0] * count, tf.float64, "tfdp_window_rows")
+        self.window_seconds = make([0.0] * count, tf.float64, "tfdp_window_seconds")
+        self.measured = make([0.0] * count, tf.float64, "tfdp_measured")
+        self.slowdown_calls = make([0] * count, tf.int64, "tfdp_slowdown_calls")
+        self.slowdown_per_example = make([0.0] * count, tf.float64, "tfdp_slowdown")
+        self.last_seconds = make([0.0] * count, tf.float64, "tfdp_last_seconds")
 
 
 class MirroredStrategy(UnevenShares, tf.distribute.MirroredStrategy):
@@ -389,6 +507,11 @@ class MirroredStrategy(UnevenShares, tf.distribute.MirroredStrategy):
         devices: before its gradients leave, that replica sleeps (factor - 1) times its
         seconds per example (as measured in its second step) for every example it holds; a
         sleep holds no core. Never on by default.
+      batch_statistics: what a BatchNormalization layer in training normalizes by:
+        "whole", the whole global batch's mean and variance (one device's step, however
+        uneven the pieces; one small all-reduce per layer and step), or "replica", each
+        piece's own, as TensorFlow's MirroredStrategy (the moving statistics then move by
+        the pieces' statistics combined by share).
 
     With powers="auto" the shares start even and are measured on the model's own step, in
     the step itself: each replica's seconds from the moment every replica holds its piece
@@ -407,6 +530,7 @@ class MirroredStrategy(UnevenShares, tf.distribute.MirroredStrategy):
         rebalance_every=None,
         measure_steps=5,
         simulate_slowdown=None,
+        batch_statistics="whole",
     ):
         if reduce not in REDUCES:
             raise ConfigError("reduce", reduce, f"must be one of {', '.join(REDUCES)}")
@@ -420,7 +544,8 @@ class MirroredStrategy(UnevenShares, tf.distribute.MirroredStrategy):
         self._collective_key_base = next_collective_key_base()
         super().__init__(devices, cross_device_ops=cross_device_ops)
         self.reduce_to = reduce
-        self._set_up_shares(powers, rebalance_every, measure_steps, simulate_slowdown)
+        self._set_up_shares(powers, rebalance_every, measure_steps, simulate_slowdown,
+                            batch_statistics)
 
 
 def whole_batch_logs(model, logs, fraction, context, all_reduce=None):
@@ -518,7 +643,7 @@ class _Clock:
         if self.replica % strategy.local_replicas == 0:  # one replica per worker keeps the books
             if strategy.auto:
                 strategy._account(both[:count], both[count:])  # noqa: SLF001
-            strategy._last_seconds.assign(both[count:])  # noqa: SLF001
+            strategy.books.last_seconds.assign(both[count:])
 
 
 # -- Keras' step functions under this strategy -------------------------------------------
@@ -611,15 +736,89 @@ def _step_by_step(model, one_step):
     return function
 
 
+# -- BatchNormalization: the whole batch's statistics -------------------------------------
+
+_batch_statistics_installed = {}
+
+
+def _install_batch_statistics() -> None:
+    """Inside a weighted replica step of tfdp's strategy, a BatchNormalization layer in
+    training normalizes by the whole global batch's mean and variance (`batch_statistics=
+    "whole"`, the default): the pieces' sums and counts are summed over the replicas, as
+    Keras' `synchronized=True` does, so the step is one device's on the whole batch
+    however uneven the pieces. With "replica", by each piece's own statistics, as
+    TensorFlow's MirroredStrategy computes them (unless the layer is `synchronized`), and
+    its moving statistics are the pieces' combined by share (`_install_assign_by_share`)."""
+    if _batch_statistics_installed:
+        return
+    BatchNormalization = internals.batch_normalization()  # noqa: N806 (Keras' class)
+    keras_moments = BatchNormalization._moments  # noqa: SLF001
+
+    def _moments(self, inputs, mask):
+        all_reduce = getattr(_local, "all_reduce", None)
+        context = tf.distribute.get_replica_context()
+        if all_reduce is None or context is None or context.num_replicas_in_sync == 1:
+            return keras_moments(self, inputs, mask)
+        if context.strategy.batch_statistics == "replica" and not self.synchronized:
+            _local.moving_statistics.update(
+                id(internals.variable_value(v)) for v in self.non_trainable_variables
+            )
+            return keras_moments(self, inputs, mask)
+        return whole_batch_moments(self, inputs, mask, all_reduce)
+
+    BatchNormalization._moments = _moments  # noqa: SLF001
+    _batch_statistics_installed["moments"] = keras_moments
+
+
+def whole_batch_moments(layer, inputs, mask, all_reduce):
+    """A BatchNormalization layer's mean and variance over the whole global batch. Each
+    replica computes its piece's count, mean and sum of squared deviations, as one
+    device computes them; one all-reduce hands every replica every piece's, which
+    combine as parallel variance does (Chan et al.): no precision lost to a large mean.
+    A mask weighs the examples as Keras' own masked moments do."""
+    context = tf.distribute.get_replica_context()
+    replicas = context.num_replicas_in_sync
+    replica = tf.get_static_value(context.replica_id_in_sync_group)
+    axes = internals.reduction_axes(layer)
+    if mask is None:
+        weights = tf.ones_like(inputs[tuple(slice(0, 1) if i in axes else slice(None)
+                                             for i in range(inputs.shape.rank))])
+        count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(inputs), axes)), inputs.dtype) * weights
+        weights = None
+        epsilon = 0.0
+    else:
+        weights = tf.cast(tf.broadcast_to(tf.expand_dims(mask, -1), tf.shape(inputs)), inputs.dtype)
+        count = tf.reduce_sum(weights, axes, keepdims=True)
+        epsilon = internals.keras_epsilon()
+    weighed = inputs if weights is None else inputs * weights
+    mean = tf.math.divide_no_nan(tf.reduce_sum(weighed, axes, keepdims=True), count)
+    deviations = tf.square(inputs - mean)
+    if weights is not None:
+        deviations *= weights
+    squares = tf.reduce_sum(deviations, axes, keepdims=True)
+    mine = tf.stack([count, mean, squares])  # [3, 1.., C, ..1]
+    slot = tf.reshape(tf.one_hot(replica, replicas, dtype=inputs.dtype),
+                      [replicas] + [1] * mine.shape.rank)
+    every = all_reduce(tf.distribute.ReduceOp.SUM, slot * mine[tf.newaxis])
+    counts, means, squares = every[:, 0], every[:, 1], every[:, 2]
+    total = tf.reduce_sum(counts, 0)
+    mean = tf.math.divide_no_nan(tf.reduce_sum(counts * means, 0), total + epsilon)
+    squares = tf.reduce_sum(squares + counts * tf.square(means - mean), 0)
+    variance = tf.math.divide_no_nan(squares, total + epsilon)
+    return tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+
+
 # -- moving statistics, combined by share ------------------------------------------------
 
 _assign_installed = {}
 
 
 def _install_assign_by_share() -> None:
-    """Inside a weighted replica step of tfdp's strategy, an assignment to a mirrored,
-    non-trainable float variable with aggregation NONE (BatchNormalization's moving
-    statistics) assigns the replicas' values combined by share, on every replica."""
+    """Inside a weighted replica step of tfdp's strategy with per-replica batch statistics
+    (`batch_statistics="replica"`), an assignment to a BatchNormalization layer's moving
+    statistics assigns the replicas' values combined by share, on every replica. Every
+    other assignment in a replica is TensorFlow's (an ON_WRITE variable with aggregation
+    NONE keeps each replica's own value)."""
     if _assign_installed:
         return
     values_util = internals.values_util()
@@ -627,7 +826,7 @@ def _install_assign_by_share() -> None:
 
     def on_write_assign(var, value, use_locking=False, name=None, read_value=True):
         fraction = getattr(_local, "fraction", None)
-        if fraction is not None and _combined_by_share(var):
+        if fraction is not None and id(var) in _local.moving_statistics:
             context = tf.distribute.get_replica_context()
             value = tf.convert_to_tensor(value, var.dtype)
             share = tf.cast(fraction, value.dtype)
@@ -642,16 +841,74 @@ def _install_assign_by_share() -> None:
     _assign_installed["assign"] = tensorflow_assign
 
 
-def _combined_by_share(var) -> bool:
-    context = tf.distribute.get_replica_context()
-    return (
-        context is not None
-        and isinstance(context.strategy, UnevenShares)
-        and context.num_replicas_in_sync > 1
-        and var.aggregation == tf.VariableAggregation.NONE
-        and not var.trainable
-        and var.dtype.is_floating
-    )
+# -- TensorFlow's loss arithmetic, by share -----------------------------------------------
+
+_losses_installed = {}
+
+
+def _install_tensorflows_losses() -> None:
+    """Inside a weighted replica step of tfdp's strategy, `tf.nn.compute_average_loss`
+    without `global_batch_size` is the replica's part of the whole batch's mean (its
+    piece's mean times its share), where TensorFlow's divides by the piece's rows times
+    the replicas, right for even pieces only. With `global_batch_size`, or outside
+    tfdp's replicas, it is TensorFlow's."""
+    if _losses_installed:
+        return
+    tensorflow_average = tf.nn.compute_average_loss
+
+    def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
+        fraction = getattr(_local, "fraction", None)
+        if global_batch_size is not None or fraction is None:
+            return tensorflow_average(per_example_loss, sample_weight=sample_weight,
+                                      global_batch_size=global_batch_size)
+        per_example_loss = tf.convert_to_tensor(per_example_loss)
+        rows = tf.shape(per_example_loss)[0] if per_example_loss.shape.rank else None
+        mean = tensorflow_average(per_example_loss, sample_weight=sample_weight,
+                                  global_batch_size=rows)
+        return mean * tf.cast(fraction, mean.dtype)
+
+    compute_average_loss.__doc__ = tensorflow_average.__doc__
+    internals.replace_everywhere(tensorflow_average, compute_average_loss)
+    _losses_installed["compute_average_loss"] = tensorflow_average
+
+
+# -- an optimizer built inside a distributed tf.function ------------------------------------
+
+_build_installed = {}
+
+
+def _install_build_check() -> None:
+    """An optimizer that makes variables on its first `apply_gradients` inside
+    `strategy.run` in a tf.function (TensorFlow's custom-training tutorial, as published,
+    with Adam) makes a step TensorFlow cannot run on several replicas: TensorFlow's
+    MirroredStrategy fails there when the step runs, with "You must feed a value for
+    placeholder tensor" (keras-team/keras#19246). Under tfdp's strategy it is one line,
+    when the step is traced, naming what to build first. (An optimizer that makes no
+    variables, SGD without momentum, builds there as under TensorFlow's.)"""
+    if _build_installed:
+        return
+    BaseOptimizer = internals.base_optimizer()  # noqa: N806 (Keras' class)
+    keras_add_variable = BaseOptimizer.add_variable
+
+    def add_variable(self, *args, **kwargs):
+        context = tf.distribute.get_replica_context()
+        if (
+            getattr(_local, "fraction", None) is not None
+            and not tf.executing_eagerly()
+            and context is not None
+            and context.num_replicas_in_sync > 1
+        ):
+            raise ConfigError(
+                "optimizer", self.name,
+                "builds its variables on its first apply_gradients, inside strategy.run in a "
+                "tf.function, which TensorFlow cannot run on several replicas: in "
+                "strategy.scope(), before the loop, build the model and then the optimizer "
+                "(model.build(input_shape); optimizer.build(model.trainable_variables))",
+            )
+        return keras_add_variable(self, *args, **kwargs)
+
+    BaseOptimizer.add_variable = add_variable
+    _build_installed["add_variable"] = keras_add_variable
 
 
 # -- gradient clipping, of the summed gradient ------------------------------------------
@@ -765,15 +1022,38 @@ def _has_rows(spec) -> bool:
 
 
 def rows_of(structure):
-    """Rows of the first leaf of `structure` that has a batch axis (a tensor), else None."""
+    """Rows of the first leaf of `structure` that is a batch (a dense, ragged or sparse
+    tensor with a batch axis; not a variable, nor another composite such as a gradient's
+    IndexedSlices), else None."""
     for leaf in tf.nest.flatten(structure, expand_composites=False):
         if isinstance(leaf, tf.RaggedTensor):
             return leaf.nrows(out_type=tf.int64)
         if isinstance(leaf, tf.SparseTensor):
             return leaf.dense_shape[0]
-        if tf.is_tensor(leaf) and leaf.shape.rank is not None and leaf.shape.rank >= 1:
+        if isinstance(leaf, tf.Tensor) and leaf.shape.rank is not None and leaf.shape.rank >= 1:
             return tf.shape(leaf, out_type=tf.int64)[0]
     return None
+
+
+def _batch_positions(structure, every):
+    """The positions (in `tf.nest.flatten` order) of the leaves of `run`'s arguments that
+    hold a value per replica; with `every`, all of them."""
+    leaves = tf.nest.flatten(structure, expand_composites=False)
+    if every:
+        return None
+    return [
+        i for i, leaf in enumerate(leaves)
+        if isinstance(leaf, tf.distribute.DistributedValues)
+        and not isinstance(leaf, (tf.Variable, internals.mirrored_type()))
+    ]
+
+
+def _leaves_at(structure, positions):
+    """The leaves of a replica's arguments at `positions` (all of them for None)."""
+    leaves = tf.nest.flatten(structure, expand_composites=False)
+    if positions is None:
+        return leaves
+    return [leaves[i] for i in positions if i < len(leaves)]
 
 
 def _rows(leaf, start, stop):
@@ -848,14 +1128,24 @@ def _same_shape(a, b) -> bool:
         return False
 
 
-def _unequal_pieces(strategy, value) -> bool:
-    for leaf in tf.nest.flatten(value):
-        if not isinstance(leaf, tf.distribute.DistributedValues):
-            return False
-        locals_ = strategy.experimental_local_results(leaf)
-        if len({tuple(getattr(v, "shape", ())) for v in locals_}) > 1:
-            return True
-    return False
+def _pieces_reduced(strategy, tensorflows, reduce_op, leaf):
+    """One leaf of `reduce(..., axis=None)`: TensorFlow's reduction where the replicas'
+    values have one shape, their concatenation where not."""
+    if not isinstance(leaf, tf.distribute.DistributedValues) or not _rank(strategy, leaf):
+        return tensorflows(reduce_op, leaf, None)
+    pieces = strategy.experimental_local_results(leaf)
+    shapes = [getattr(piece, "shape", None) for piece in pieces]
+    if any(shape is None or shape.rank != shapes[0].rank for shape in shapes):
+        return tensorflows(reduce_op, leaf, None)
+    if all(shape.is_fully_defined() for shape in shapes):
+        if len({tuple(shape) for shape in shapes}) == 1:
+            return tensorflows(reduce_op, leaf, None)
+        return _concat(pieces)
+    if not all(isinstance(piece, tf.Tensor) for piece in pieces):
+        return tensorflows(reduce_op, leaf, None)
+    first = tf.shape(pieces[0])
+    same = tf.reduce_all([tf.reduce_all(tf.equal(tf.shape(p), first)) for p in pieces[1:]])
+    return tf.cond(same, lambda: tensorflows(reduce_op, leaf, None), lambda: _concat(pieces))
 
 
 def _rank(strategy, value):
@@ -871,3 +1161,29 @@ def _concat(pieces):
         return tf.sparse.concat(0, pieces)
     return tf.concat(pieces, 0)
 
+
+
+class _AskedContext(tf.distribute.InputContext):
+    """The InputContext a dataset function is handed, keeping the per-replica batch size
+    it computes from the global batch (`get_per_replica_batch_size`)."""
+
+    def __init__(self, context):
+        super().__init__(
+            num_input_pipelines=context.num_input_pipelines,
+            input_pipeline_id=context.input_pipeline_id,
+            num_replicas_in_sync=context.num_replicas_in_sync,
+        )
+        self.per_replica = None
+
+    def get_per_replica_batch_size(self, global_batch_size):
+        self.per_replica = super().get_per_replica_batch_size(global_batch_size)
+        return self.per_replica
+
+
+def _static_rows(structure):
+    """The static batch size of a dataset's elements (None: unknown or not batched)."""
+    for spec in tf.nest.flatten(structure):
+        shape = getattr(spec, "shape", None)
+        if shape is not None and shape.rank and shape[0] is not None:
+            return int(shape[0])
+    return None
