@@ -250,10 +250,13 @@ def test_a_dataset_function_is_cut_by_share():
     assert pieces == [[16, 48], [16, 48]]
 
 
-def test_a_dataset_function_whose_global_batch_is_unknown_is_refused():
+def test_a_dataset_functions_batches_make_the_global_batch_cut_by_share():
+    """Without `get_per_replica_batch_size`: the replicas' batches taken together (3 + 3,
+    then 3 + 1 at the end) are the global batch, cut 1:3."""
     made = strategy()
-    with pytest.raises(tfdp.ConfigError, match=r"powers=\[1.0, 3.0\].*get_per_replica_batch_size"):
-        made.distribute_datasets_from_function(lambda context: tf.data.Dataset.range(10).batch(3))
+    batches = made.distribute_datasets_from_function(lambda context: tf.data.Dataset.range(10).batch(3))
+    pieces = [[list(p.numpy()) for p in made.experimental_local_results(b)] for b in batches]
+    assert pieces == [[[0, 1], [2, 3, 4, 5]], [[6], [7, 8, 9]]]
 
 
 def test_an_optimizer_built_inside_a_distributed_function_is_one_line():

@@ -8,6 +8,9 @@ Rows, each in a process of its own, in interleaved rounds A B C D A B C D ...:
 
   tf mirrored x2            tf.distribute.MirroredStrategy(["cpu:0", "cpu:1"])
   tfdp even x2              tfdp.MirroredStrategy(["cpu:0", "cpu:1"]) (powers=None)
+  tfdp even x2, replica statistics   the same with batch_statistics="replica":
+                            BatchNormalization by each replica's piece, as TensorFlow's
+                            (the row above: by the whole batch, one all-reduce per layer)
   tfdp even x2, slow cpu:1  the same, with replica 1 made 4x slower (simulate_slowdown)
   tfdp 4:1 x2, slow cpu:1   powers=[4, 1] with replica 1 made 4x slower: the split the
                             slowdown asks for, given (set after step 2: the slowdown is
@@ -41,6 +44,7 @@ from absl import app, flags
 ROWS = (
     "tf mirrored x2",
     "tfdp even x2",
+    "tfdp even x2, replica statistics",
     "tfdp even x2, slow cpu:1",
     "tfdp 4:1 x2, slow cpu:1",
     "tfdp auto x2, slow cpu:1",
@@ -69,7 +73,9 @@ def strategy_for(row: str):
         return tf.distribute.MirroredStrategy(devices)
     slow = {1: SLOWDOWN} if "slow" in row else None
     powers = "auto" if "auto" in row else None  # the 4:1 row takes its split after step 2
-    return tfdp.MirroredStrategy(devices, powers=powers, simulate_slowdown=slow, measure_steps=3)
+    statistics = "replica" if "replica statistics" in row else "whole"
+    return tfdp.MirroredStrategy(devices, powers=powers, simulate_slowdown=slow, measure_steps=3,
+                                 batch_statistics=statistics)
 
 
 def workload(name: str, records: list[str]):
@@ -133,6 +139,8 @@ def summarize(results: list[dict]) -> list[dict]:
     rows.append({
         "workload": results[0]["workload"],
         "tfdp even / tf mirrored": round(median["tfdp even x2"] / median["tf mirrored x2"], 3),
+        "tfdp even, replica statistics / tf mirrored": round(
+            median["tfdp even x2, replica statistics"] / median["tf mirrored x2"], 3),
         "auto / even, slow cpu:1": round(
             median["tfdp auto x2, slow cpu:1"] / median["tfdp even x2, slow cpu:1"], 3),
         "4:1 / even, slow cpu:1": round(

@@ -73,9 +73,11 @@ class UnevenShares:
         self.batch_statistics = batch_statistics
         self.auto = isinstance(powers, str) and powers == "auto"
         self.powers = [1.0] * count if self.auto else _checked_powers(powers, count)
-        # powers=None: TensorFlow's own cut of a dataset (its static shapes too), until new
-        # powers are set; the weighing in `run` makes any cut exact
-        self.tensorflows_cut = powers is None
+        # powers=None on one machine: TensorFlow's own cut of a dataset (its static shapes
+        # too), until new powers are set; the weighing in `run` makes any cut exact. (A
+        # cluster's workers each read the whole batches and keep their replicas' pieces.)
+        self.tensorflows_cut = powers is None and not isinstance(
+            self, tf.distribute.MultiWorkerMirroredStrategy)
         self.rebalance_every = _checked_steps("rebalance_every", rebalance_every, allow_none=True)
         self.measure_steps = _checked_steps("measure_steps", measure_steps)
         self.slowdown = _checked_slowdown(simulate_slowdown, count)
@@ -304,12 +306,10 @@ class UnevenShares:
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """TensorFlow's, with the replicas' pieces by share where the shares are not
-        even: each worker's dataset (`dataset_fn`'s, of per-replica batches) is read as
-        whole global batches (`rebatch`) and cut as `experimental_distribute_dataset`
-        cuts. The global batch is what `dataset_fn` asks of the context's
-        `get_per_replica_batch_size`, else its per-replica batch's static size times
-        the replicas; several workers with uneven shares are refused (each reads data
-        of its own, which cannot be cut across them)."""
+        even: the dataset function's per-replica batches are read back, as many as the
+        replicas at a time, as the global batch they make together, and cut as
+        `experimental_distribute_dataset` cuts. Several workers with uneven shares are
+        refused (each reads data of its own, which cannot be cut across them)."""
         replication = None if options is None else options.experimental_replication_mode
         if self.tensorflows_cut or replication == tf.distribute.InputReplicationMode.PER_REPLICA:
             return super().distribute_datasets_from_function(dataset_fn, options)
@@ -322,17 +322,7 @@ class UnevenShares:
         local = self.local_replicas
 
         def by_share(context):
-            asked = _AskedContext(context)
-            dataset = dataset_fn(asked)
-            per_replica = asked.per_replica or _static_rows(dataset.element_spec)
-            if per_replica is None:
-                raise ConfigError(
-                    "powers", "auto" if self.auto else self.powers,
-                    "distribute_datasets_from_function cuts the global batch by share, and "
-                    "cannot tell it: call context.get_per_replica_batch_size(global_batch) "
-                    "in the dataset function, or batch with drop_remainder=True",
-                )
-            return self._pieces(dataset.rebatch(per_replica * local), 0)
+            return self._pieces(_global_batches(dataset_fn(context), local), 0)
 
         return super().distribute_datasets_from_function(by_share, options)
 
@@ -1163,27 +1153,18 @@ def _concat(pieces):
 
 
 
-class _AskedContext(tf.distribute.InputContext):
-    """The InputContext a dataset function is handed, keeping the per-replica batch size
-    it computes from the global batch (`get_per_replica_batch_size`)."""
-
-    def __init__(self, context):
-        super().__init__(
-            num_input_pipelines=context.num_input_pipelines,
-            input_pipeline_id=context.input_pipeline_id,
-            num_replicas_in_sync=context.num_replicas_in_sync,
+def _global_batches(dataset, replicas):
+    """`replicas` consecutive per-replica batches of `dataset` at a time, as one batch
+    (their rows in order): the global batch a dataset function's batches make."""
+    structure = dataset.element_spec
+    if not any(_has_rows(spec) for spec in tf.nest.flatten(structure)):
+        raise ConfigError(
+            "dataset_fn", structure, "returns a dataset without a batch axis: batch it"
         )
-        self.per_replica = None
 
-    def get_per_replica_batch_size(self, global_batch_size):
-        self.per_replica = super().get_per_replica_batch_size(global_batch_size)
-        return self.per_replica
+    def concatenated(*window):
+        # a window is the element's structure of datasets (a tuple's parts as arguments)
+        batches = tf.data.Dataset.zip(window if isinstance(structure, tuple) else window[0])
+        return batches.unbatch().batch(2**62)
 
-
-def _static_rows(structure):
-    """The static batch size of a dataset's elements (None: unknown or not batched)."""
-    for spec in tf.nest.flatten(structure):
-        shape = getattr(spec, "shape", None)
-        if shape is not None and shape.rank and shape[0] is not None:
-            return int(shape[0])
-    return None
+    return dataset.window(replicas).flat_map(concatenated)
