@@ -56,6 +56,7 @@ flags.DEFINE_integer("rounds", 3, "Interleaved rounds of every row.")
 flags.DEFINE_integer("steps", 30, "Timed steps per measurement.")
 flags.DEFINE_integer("warmup", 8, "Untimed steps first (tracing; the auto row's measurement).")
 flags.DEFINE_string("json", None, "Append the summary rows to this JSON-lines file.")
+flags.DEFINE_multi_string("row", None, "Only this row (repeat the flag for several); default: every row.")
 flags.DEFINE_string("one", None, "Internal: measure this row in this process.")
 flags.DEFINE_string("records", None, "Internal: the cnn workload's TFRecord files (comma-separated).")
 FLAGS = flags.FLAGS
@@ -136,26 +137,31 @@ def summarize(results: list[dict]) -> list[dict]:
          "shares": next(r["shares"] for r in results if r["row"] == row)}
         for row in ROWS if row in median
     ]
+    ratios = {
+        "tfdp even / tf mirrored": ("tfdp even x2", "tf mirrored x2"),
+        "tfdp even, replica statistics / tf mirrored": (
+            "tfdp even x2, replica statistics", "tf mirrored x2"),
+        "auto / even, slow cpu:1": ("tfdp auto x2, slow cpu:1", "tfdp even x2, slow cpu:1"),
+        "4:1 / even, slow cpu:1": ("tfdp 4:1 x2, slow cpu:1", "tfdp even x2, slow cpu:1"),
+        "auto / 4:1, slow cpu:1": ("tfdp auto x2, slow cpu:1", "tfdp 4:1 x2, slow cpu:1"),
+    }
+    only = "".join(f" --row='{row}'" for row in FLAGS.row or ())
     rows.append({
         "workload": results[0]["workload"],
-        "tfdp even / tf mirrored": round(median["tfdp even x2"] / median["tf mirrored x2"], 3),
-        "tfdp even, replica statistics / tf mirrored": round(
-            median["tfdp even x2, replica statistics"] / median["tf mirrored x2"], 3),
-        "auto / even, slow cpu:1": round(
-            median["tfdp auto x2, slow cpu:1"] / median["tfdp even x2, slow cpu:1"], 3),
-        "4:1 / even, slow cpu:1": round(
-            median["tfdp 4:1 x2, slow cpu:1"] / median["tfdp even x2, slow cpu:1"], 3),
-        "auto / 4:1, slow cpu:1": round(
-            median["tfdp auto x2, slow cpu:1"] / median["tfdp 4:1 x2, slow cpu:1"], 3),
+        **{name: round(median[a] / median[b], 3) for name, (a, b) in ratios.items()
+           if a in median and b in median},
         "ideal auto / even": 2.5,
         "command": f"python -m tfdp.bench.strategy --workload={results[0]['workload']} "
-                   f"--rounds={FLAGS.rounds} --steps={FLAGS.steps} --warmup={FLAGS.warmup}",
+                   f"--rounds={FLAGS.rounds} --steps={FLAGS.steps} --warmup={FLAGS.warmup}{only}",
     })
     return rows
 
 
 def main(argv):
     del argv
+    unknown = sorted(set(FLAGS.row or ()) - set(ROWS))
+    if unknown:
+        raise app.UsageError(f"--row={unknown[0]!r}: not a row ({'; '.join(ROWS)})")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if FLAGS.one:
         from tfdp import onednn
@@ -175,7 +181,7 @@ def main(argv):
             records = streaming.write_records(directory, 4096)
         results = []
         for round_ in range(FLAGS.rounds):
-            for row in ROWS:
+            for row in [r for r in ROWS if not FLAGS.row or r in FLAGS.row]:
                 command = [sys.executable, "-m", "tfdp.bench.strategy", f"--one={row}",
                            f"--workload={FLAGS.workload}", f"--steps={FLAGS.steps}",
                            f"--warmup={FLAGS.warmup}", f"--records={','.join(records)}"]

@@ -309,7 +309,8 @@ class UnevenShares:
         even: the dataset function's per-replica batches are read back, as many as the
         replicas at a time, as the global batch they make together, and cut as
         `experimental_distribute_dataset` cuts. Several workers with uneven shares are
-        refused (each reads data of its own, which cannot be cut across them)."""
+        refused (each reads data of its own, which cannot be cut across them). Elements
+        without a batch axis are one value per replica, as TensorFlow deals them."""
         replication = None if options is None else options.experimental_replication_mode
         if self.tensorflows_cut or replication == tf.distribute.InputReplicationMode.PER_REPLICA:
             return super().distribute_datasets_from_function(dataset_fn, options)
@@ -322,7 +323,10 @@ class UnevenShares:
         local = self.local_replicas
 
         def by_share(context):
-            return self._pieces(_global_batches(dataset_fn(context), local), 0)
+            dataset = dataset_fn(context)
+            if not any(_has_rows(spec) for spec in tf.nest.flatten(dataset.element_spec)):
+                return dataset  # one value per replica, no batch to cut: TensorFlow's
+            return self._pieces(_global_batches(dataset, local), 0)
 
         return super().distribute_datasets_from_function(by_share, options)
 
@@ -1157,10 +1161,6 @@ def _global_batches(dataset, replicas):
     """`replicas` consecutive per-replica batches of `dataset` at a time, as one batch
     (their rows in order): the global batch a dataset function's batches make."""
     structure = dataset.element_spec
-    if not any(_has_rows(spec) for spec in tf.nest.flatten(structure)):
-        raise ConfigError(
-            "dataset_fn", structure, "returns a dataset without a batch axis: batch it"
-        )
 
     def concatenated(*window):
         # a window is the element's structure of datasets (a tuple's parts as arguments)
