@@ -915,6 +915,7 @@ def _optimizer_variables_come_from_add_variable():
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
     assert "self.add_variable(" in inspect.getsource(BaseOptimizer.add_variable_from_reference)
+    assert "return self.add_weight(" in inspect.getsource(keras.layers.Layer.add_variable)
 
 
 def _a_distributed_dataset_without_rebatching():
@@ -940,7 +941,7 @@ INTERNALS = {
     "mirrored_run lifts a tf.function by Function._clone": _tensorflow_lifts_a_tf_function_by_cloning_it,
     "BatchNormalization._moments and _reduction_axes": _batch_normalization_moments,
     "input_util.get_distributed_dataset without rebatching": _a_distributed_dataset_without_rebatching,
-    "BaseOptimizer.add_variable makes an optimizer's variables": _optimizer_variables_come_from_add_variable,
+    "BaseOptimizer.add_variable, Layer.add_weight make the variables": _optimizer_variables_come_from_add_variable,
 }
 
 

@@ -141,6 +141,15 @@ def batch_normalization():
     return keras.layers.BatchNormalization
 
 
+@functools.cache
+def keras_layer():
+    """`keras.layers.Layer`, whose `add_weight` (every layer's variables; `add_variable`
+    is its alias) tfdp checks under its strategies. Checked: Keras 3.10.0-3.15.1."""
+    import keras
+
+    return keras.layers.Layer
+
+
 def reduction_axes(layer) -> list[int]:
     """The axes a BatchNormalization layer reduces over (`_reduction_axes`, set when it is
     built). Checked: Keras 3.10.0-3.15.1."""

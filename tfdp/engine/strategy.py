@@ -390,6 +390,7 @@ class UnevenShares:
                         tf.identity, (replica_args, replica_kwargs), expand_composites=True
                     )
             _local.fraction, _local.all_reduce = fraction, all_reduce
+            _local.traced = not tf.executing_eagerly()  # (a build may lift out to eager)
             _local.moving_statistics = set()  # BatchNormalization's, with "replica" statistics
             _local.own_loss = model is not None and shards.overrides(model, fn.__name__)
             _local.weighed_own = False
@@ -872,26 +873,34 @@ _build_installed = {}
 
 
 def _install_build_check() -> None:
-    """An optimizer that makes variables on its first `apply_gradients` inside
-    `strategy.run` in a tf.function (TensorFlow's custom-training tutorial, as published,
-    with Adam) makes a step TensorFlow cannot run on several replicas: TensorFlow's
-    MirroredStrategy fails there when the step runs, with "You must feed a value for
-    placeholder tensor" (keras-team/keras#19246). Under tfdp's strategy it is one line,
-    when the step is traced, naming what to build first. (An optimizer that makes no
-    variables, SGD without momentum, builds there as under TensorFlow's.)"""
+    """A layer or an optimizer that makes variables on its first call inside
+    `strategy.run` in a tf.function (TensorFlow's custom-training tutorial, as published:
+    a Sequential model without an input shape, Adam) makes a step TensorFlow cannot run
+    on several replicas: TensorFlow's MirroredStrategy fails there when the step runs,
+    with "You must feed a value for placeholder tensor" (keras-team/keras#19246). Under
+    tfdp's strategy it is one line, when the step is traced, naming what to build first.
+    (An optimizer that makes no variables, SGD without momentum, builds there as under
+    TensorFlow's.)"""
     if _build_installed:
         return
     BaseOptimizer = internals.base_optimizer()  # noqa: N806 (Keras' class)
     keras_add_variable = BaseOptimizer.add_variable
+    Layer = internals.keras_layer()  # noqa: N806 (Keras' class)
+    keras_add_weight = Layer.add_weight
+
+    def add_weight(self, *args, **kwargs):
+        if _building_inside_a_distributed_function():
+            raise ConfigError(
+                "layer", self.name,
+                "builds its variables on its first call, inside strategy.run in a "
+                "tf.function, which TensorFlow cannot run on several replicas: in "
+                "strategy.scope(), before the loop, build the model and then the optimizer "
+                "(model.build(input_shape); optimizer.build(model.trainable_variables))",
+            )
+        return keras_add_weight(self, *args, **kwargs)
 
     def add_variable(self, *args, **kwargs):
-        context = tf.distribute.get_replica_context()
-        if (
-            getattr(_local, "fraction", None) is not None
-            and not tf.executing_eagerly()
-            and context is not None
-            and context.num_replicas_in_sync > 1
-        ):
+        if _building_inside_a_distributed_function():
             raise ConfigError(
                 "optimizer", self.name,
                 "builds its variables on its first apply_gradients, inside strategy.run in a "
@@ -902,7 +911,21 @@ def _install_build_check() -> None:
         return keras_add_variable(self, *args, **kwargs)
 
     BaseOptimizer.add_variable = add_variable
+    Layer.add_weight = add_weight
+    _build_installed["add_weight"] = keras_add_weight
     _build_installed["add_variable"] = keras_add_variable
+
+
+def _building_inside_a_distributed_function() -> bool:
+    """Inside a weighted replica step of tfdp's strategy, in a tf.function being traced,
+    over several replicas."""
+    context = tf.distribute.get_replica_context()
+    return (
+        getattr(_local, "fraction", None) is not None
+        and getattr(_local, "traced", False)
+        and context is not None
+        and context.num_replicas_in_sync > 1
+    )
 
 
 # -- gradient clipping, of the summed gradient ------------------------------------------
