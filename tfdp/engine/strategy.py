@@ -889,25 +889,11 @@ def _install_build_check() -> None:
     keras_add_weight = Layer.add_weight
 
     def add_weight(self, *args, **kwargs):
-        if _building_inside_a_distributed_function():
-            raise ConfigError(
-                "layer", self.name,
-                "builds its variables on its first call, inside strategy.run in a "
-                "tf.function, which TensorFlow cannot run on several replicas: in "
-                "strategy.scope(), before the loop, build the model and then the optimizer "
-                "(model.build(input_shape); optimizer.build(model.trainable_variables))",
-            )
+        _refuse_a_build_inside_a_distributed_function("layer", self.name, "call")
         return keras_add_weight(self, *args, **kwargs)
 
     def add_variable(self, *args, **kwargs):
-        if _building_inside_a_distributed_function():
-            raise ConfigError(
-                "optimizer", self.name,
-                "builds its variables on its first apply_gradients, inside strategy.run in a "
-                "tf.function, which TensorFlow cannot run on several replicas: in "
-                "strategy.scope(), before the loop, build the model and then the optimizer "
-                "(model.build(input_shape); optimizer.build(model.trainable_variables))",
-            )
+        _refuse_a_build_inside_a_distributed_function("optimizer", self.name, "apply_gradients")
         return keras_add_variable(self, *args, **kwargs)
 
     BaseOptimizer.add_variable = add_variable
@@ -916,16 +902,23 @@ def _install_build_check() -> None:
     _build_installed["add_variable"] = keras_add_variable
 
 
-def _building_inside_a_distributed_function() -> bool:
-    """Inside a weighted replica step of tfdp's strategy, in a tf.function being traced,
-    over several replicas."""
+def _refuse_a_build_inside_a_distributed_function(field, name, first) -> None:
+    """ConfigError where a variable is being made inside a weighted replica step of tfdp's
+    strategy, in a tf.function being traced, over several replicas."""
     context = tf.distribute.get_replica_context()
-    return (
+    if (
         getattr(_local, "fraction", None) is not None
         and getattr(_local, "traced", False)
         and context is not None
         and context.num_replicas_in_sync > 1
-    )
+    ):
+        raise ConfigError(
+            field, name,
+            f"builds its variables on its first {first}, inside strategy.run in a tf.function, "
+            "which TensorFlow cannot run on several replicas: in strategy.scope(), before the "
+            "loop, build the model and then the optimizer (model.build(input_shape); "
+            "optimizer.build(model.trainable_variables))",
+        )
 
 
 # -- gradient clipping, of the summed gradient ------------------------------------------
