@@ -8,22 +8,23 @@
 
 It is a `tf.distribute.MirroredStrategy` (isinstance holds), so Keras' `fit`, `evaluate`
 and `predict` and TensorFlow's own custom loops (`experimental_distribute_dataset`,
-`strategy.run`, `strategy.reduce`) take it unchanged. Four things differ from TensorFlow's:
+`strategy.run`, `strategy.reduce`) take it unchanged. What differs from TensorFlow's:
 
-1. **The cut.** `experimental_distribute_dataset` cuts each global batch of n rows into
-   one consecutive piece per replica, of round(n * cumulative share) rows, so replica i
+1. **The cut.** With even shares (`powers=None`) on one machine, TensorFlow's own. Else
+   `experimental_distribute_dataset` cuts each global batch of n rows into one
+   consecutive piece per replica, of round(n * cumulative share) rows, so replica i
    holds rows [b_i, b_i+1) of every batch (a short batch, or a batch whose shape changes
    from step to step, is cut by share too; a piece may be empty).
 2. **The weight.** `run` measures each replica's rows n_i and the batch's N (one scalar
    all-reduce) and runs the replica's step with its losses weighed n_i/N where Keras weighs
-   them 1/R (`shards.piece`). The gradients the optimizer sums are then the whole batch's,
-   however uneven the pieces.
+   them 1/R (`shards.piece`), `tf.nn.compute_average_loss` likewise. The gradients the
+   optimizer sums are then the whole batch's, however uneven the pieces.
 3. **The logs.** A Keras step's logs are read from its metrics summed over the replicas
    (the whole batch's values), where Keras would average the replicas' own.
-4. **Moving statistics.** A variable Keras updates by assignment in each replica
-   (BatchNormalization's moving mean and variance, aggregation "none") gets the replicas'
-   values combined by share, the same on every replica, where TensorFlow keeps each
-   replica's own.
+4. **BatchNormalization** normalizes by the whole batch's statistics
+   (`batch_statistics="whole"`); with "replica", by each piece's, and its moving
+   statistics are the replicas' combined by share.
+5. **`reduce`** of pieces of different shapes is the batch they were cut from.
 """
 
 from __future__ import annotations
