@@ -318,7 +318,7 @@ def test_eval_batches_cover_every_example_once():
 
 def test_pipelines_run_without_autotune():
     # Autotuning's model thread can hold up an iterator's deletion until its next
-    # re-tuning interval ends (in_memory._without_autotune); tfdp's pipelines turn it off,
+    # re-tuning interval ends (in_memory.without_autotune); tfdp's pipelines turn it off,
     # and datasets built on top of them inherit that.
     toy = mnist.make_toy_data(0, num_examples=50)
     train = in_memory.train_dataset(toy, batch_size=8, seed=1)

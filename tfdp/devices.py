@@ -202,8 +202,8 @@ def master_on_cpu(devices: Sequence[str]) -> str | None:
     """A sentence for a weighted run whose device 0 is a CPU while a GPU takes part; else None.
 
     Device 0 receives every other device's gradients, sums them and sends the sum
-    back (the strategy's reduction to device 0, engine/trainer.py): on a CPU,
-    the GPU waits for it at every step.
+    back (the strategy's reduce="device0", engine/strategy.py): on a CPU, the GPU waits
+    for it at every step.
     """
     if not devices or ":CPU:" not in devices[0] or not any(":GPU:" in d for d in devices):
         return None

@@ -1,5 +1,5 @@
 """What measures and sets a run's split before and during training, through a trainer's
-probes (`Trainer.probes`).
+probes (`trainer.Probes`).
 
 `DeviceBalancer` over one process's devices: a simulated slowdown calibrated,
 `--powers=auto` measured alone and then under load, and the rebalancing that carries on
@@ -16,7 +16,7 @@ from tfdp.devices import AUTO, parse_slowdown, short_name
 
 class DeviceBalancer:
     """Measures and sets the split over the devices of one process (modes single,
-    mirrored, weighted), through a trainer's probes (`Trainer.probes`) and the split
+    mirrored, weighted), through a trainer's probes (`trainer.Probes`) and the split
     they time (`probes.split`)."""
 
     def __init__(self, probes):

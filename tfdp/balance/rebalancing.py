@@ -1,6 +1,6 @@
 """What measures the devices and re-splits the batch during a run.
 
-A trainer is used through its probes (`Trainer.probes`: `alone`, `together`,
+A trainer is used through its probes (`trainer.Probes`: `alone`, `together`,
 `set_delays`, and the split they time, `probes.split`); the arithmetic is split.py's.
 """
 

@@ -37,7 +37,7 @@ reads its batch inside its tf.function (`next(iterator)` in the graph, as Keras'
 step does), so the loop cannot see how long it waits. Instead, after the timed
 run, the same process iterates the row's input alone, with no training (a new
 iterator of the same pipeline; for the in-memory row, tfdp's batches of the
-arrays, `data.train_dataset`): `--warmup` batches untimed, then `--iterations`
+arrays, `arrays.train_dataset`): `--warmup` batches untimed, then `--iterations`
 timed. The share is those seconds per batch over the training's seconds per
 step: the share of a step the input would take if nothing of it overlapped the
 step. With its prefetched batches the input runs beside the step, so on idle

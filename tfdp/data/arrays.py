@@ -116,19 +116,21 @@ def first_examples(data, count):
 
 
 # Batches made ahead of the step that reads them. The pipeline (a gather and a scale) makes
-# one batch in about 2 ms, so two are plenty; see _without_autotune for why the depth is
+# one batch in about 2 ms, so two are plenty; see without_autotune for why the depth is
 # fixed rather than tf.data.AUTOTUNE.
 PREFETCH_BATCHES = 2
 
 
-def _without_autotune():
-    """tf.data options with autotuning off, for every tfdp pipeline.
+def without_autotune():
+    """tf.data options with autotuning off, where the user set none: on every tfdp
+    pipeline, and on a user's dataset the strategy distributes.
 
-    With autotuning on, deleting an iterator was seen to block until a tf.data background
-    thread woke up, at points 10 ms x (2^k - 1) after the iterator was made: a 6-second
-    training run ended at 10.23 s (TensorFlow 2.21; BUILD_NOTES, "tf.data autotuning: off").
-    tfdp deletes an iterator at the end of every run and after every evaluation, and this
-    pipeline has nothing to tune.
+    With autotuning on, deleting an iterator (tfdp deletes one at the end of every run and
+    after every evaluation, Keras at the end of every fit, evaluation and prediction) was
+    seen to wait for a tf.data background thread that sleeps 10 ms x 2^k: a 6-second
+    training run ended at 10.23 s (TensorFlow 2.21), up to a minute and more beside another
+    busy process (BUILD_NOTES, "tf.data autotuning: off"). tfdp's pipelines have nothing
+    to tune.
     """
     options = tf.data.Options()
     options.autotune.enabled = False
@@ -256,7 +258,7 @@ def train_dataset(arrays, batch_size, seed, start_step=0, drop_remainder=False, 
 
 def prefetched(dataset):
     """`dataset` made PREFETCH_BATCHES ahead of the step, at a fixed depth."""
-    return dataset.prefetch(PREFETCH_BATCHES).with_options(_without_autotune())
+    return dataset.prefetch(PREFETCH_BATCHES).with_options(without_autotune())
 
 
 def as_eval_stream(arrays) -> EvalStream:
@@ -291,5 +293,5 @@ def _eval_dataset(arrays, batch_size):
         .batch(batch_size)
         .map(_model_inputs(arrays))
         .prefetch(PREFETCH_BATCHES)
-        .with_options(_without_autotune())
+        .with_options(without_autotune())
     )

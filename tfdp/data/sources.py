@@ -18,11 +18,6 @@ from tfdp import internals
 from tfdp.errors import ConfigError
 
 
-def is_reference(text) -> bool:
-    """Whether `text` has the MODULE:FUNCTION form."""
-    return isinstance(text, str) and ":" in text
-
-
 def load_function(text: str, field: str):
     """The function `text` (MODULE:FUNCTION) names; ConfigError naming `field` if there is none."""
     module_name, _, name = text.rpartition(":")

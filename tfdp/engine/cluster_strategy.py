@@ -1,6 +1,6 @@
 """tfdp.MultiWorkerMirroredStrategy, and joining this process's cluster with it.
 
-Every worker of a cluster (`cluster.find_cluster`: TF_CONFIG, or a Slurm step)
+Every worker of a cluster (`spec.find_cluster`: TF_CONFIG, or a Slurm step)
 makes one `tfdp.MultiWorkerMirroredStrategy`: TensorFlow's, with the uneven shares
 of `tfdp.MirroredStrategy` (strategy.py). `join_cluster` makes it once per process,
 for mode multiworker and for a script's own `tfdp.fit`.

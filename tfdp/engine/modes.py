@@ -53,14 +53,10 @@ def local_strategy(
     )
 
 
-def build_trainer(
-    config, devices: list[str], shards: list[int], model=None, smallest_batch: int | None = None
-) -> Trainer:
+def build_trainer(config, devices: list[str], shards: list[int], model=None) -> Trainer:
     """The mode's trainer of `model` (a compiled, built Keras model, trained in place).
 
     model: None: the config's built-in model (`models.built_in`).
-    smallest_batch: the fewest examples a global batch of the run may hold (an epoch's
-      partial last batch); None: the config's batch size.
     """
     from tfdp import models
 

@@ -216,8 +216,4 @@ def _clear_functions(model) -> None:
             setattr(model, name, None)
 
 
-def keras_model_name(model) -> str:
-    return getattr(model, "name", None) or type(model).__name__
-
-
 __all__ = ["Placement", "keras", "variables_of"]

@@ -85,7 +85,7 @@ def check_model_dir(config) -> None:
 class Checkpointer:
     """Saves and restores a run's model, its optimizer, the step and the split.
 
-    The step is also the input position: `data.train_dataset(start_step=step)`
+    The step is also the input position: `arrays.train_dataset(start_step=step)`
     continues with exactly the batch the interrupted run would have read next.
     tf.train.CheckpointManager writes the checkpoint files first and updates
     its `checkpoint` index file atomically last, so a kill during a save
@@ -137,7 +137,7 @@ class Checkpointer:
         return self.index.path(step)
 
     def restore(self, log: Callable[[str], None] = print) -> int:
-        """Restores the newest checkpoint that reads back whole (`newest`); returns its
+        """Restores the newest checkpoint that reads back whole (`_restore_newest`); returns its
         step (0: none), the same on every worker of a cluster."""
         step = self._restore_newest(log)
         steps = [int(s) for s in self.exchange.gather(step)]

@@ -35,7 +35,7 @@ class Run:
     """One run in progress.
 
     Attributes:
-      plan: the validated run (`training.Plan`): config, devices, model, data, steps.
+      plan: the validated run (`plan.Plan`): config, devices, model, data, steps.
       trainer: the mode's trainer.
       iterator: what `trainer.train_step` reads the global batches from.
       log: where the run's lines go (`say` clears the progress line first).

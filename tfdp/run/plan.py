@@ -85,11 +85,6 @@ class Plan:
         return self.train_data.examples
 
     @property
-    def smallest_batch(self) -> int:
-        """The fewest examples a global batch of the run holds (1: a stream's may be any)."""
-        return 1 if self.train_data.examples is None else self.last_batch
-
-    @property
     def last_batch(self) -> int:
         """Examples of a pass's last batch."""
         return self.train_data.last_batch
@@ -147,7 +142,7 @@ def partition(config: Config, devices: list[str]) -> list[int]:
         return split_batch(batch, (1.0,) * n, few=True)
     if config.mode == "mirrored":
         return even_split(batch, n)
-    # auto powers start from an even split; the measurement replaces it (see balance.py).
+    # auto powers start from an even split; the measurement replaces it (see balance/balancers.py).
     powers = (1.0,) * n if config.powers in ((), AUTO) else config.powers
     if len(powers) != n:
         raise ConfigError(

@@ -22,18 +22,14 @@ from tfdp.devices import short_name
 from tfdp.engine.modes import build_trainer
 from tfdp.errors import DataError
 from tfdp.run.checkpoints import Checkpointer
-from tfdp.run.hooks.balancing import Rebalance
-from tfdp.run.hooks.checkpointing import Checkpoints
-from tfdp.run.hooks.evaluation import Evaluation, evaluate  # noqa: F401 (tfdp.run.training.evaluate)
-from tfdp.run.hooks.finite import FiniteGuard, NonFinite  # noqa: F401 (the CLI catches NonFinite)
-from tfdp.run.hooks.keras import KerasCallbacks, finalize
-from tfdp.run.hooks.membership import Membership, changes
-from tfdp.run.hooks.report import ProgressLine, TutorialLog, learning_rate
-from tfdp.run.hooks.stopping import StopOnSignal
-from tfdp.run.hooks.summaries import TrainSummaries
+from tfdp.run.hooks import default as default_hooks
+from tfdp.run.hooks.evaluation import evaluate  # noqa: F401 (tfdp.run.training.evaluate)
+from tfdp.run.hooks.finite import NonFinite  # noqa: F401 (the CLI catches NonFinite)
+from tfdp.run.hooks.keras import finalize
+from tfdp.run.hooks.report import learning_rate
 from tfdp.run.lock import ModelDirLock
-from tfdp.run.loop import Hooks, Run, train_loop
-from tfdp.run.observe import Progress, Summaries
+from tfdp.run.loop import Run, train_loop
+from tfdp.run.observe import Progress
 from tfdp.run.plan import Plan, partition, prepare  # noqa: F401 (tfdp.run.training.prepare, partition)
 from tfdp.run.resume import (
     keep_position,
@@ -112,7 +108,7 @@ def run(
       NonFinite: the loss or the weights stopped being finite.
     """
     config = plan.config
-    trainer = build_trainer(config, plan.devices, plan.shards, plan.model, plan.smallest_batch)
+    trainer = build_trainer(config, plan.devices, plan.shards, plan.model)
     try:
         result = run_trainer(plan, trainer, log, callbacks, verbose, validation)
     finally:
@@ -156,40 +152,8 @@ def run_trainer(plan: Plan, trainer, log, callbacks, verbose, validation) -> dic
         # after the split is set
         state.iterator, state.input_note = stream_iterator(plan, trainer, checkpointer, cursor)
         state.seek_input = lambda cursor: stream_iterator(plan, trainer, None, cursor)[0]
-        summaries = (
-            Summaries(config.model_dir) if config.model_dir and trainer.exchange.is_chief else None
-        )
-        guard = FiniteGuard(checkpointer) if config.finite_guard else None
-        checkpoints = Checkpoints(checkpointer, guard) if checkpointer else None
-        rebalancing = (
-            trainer.balancer.rebalancing(config.rebalance_every, state.say, probe)
-            if len(plan.devices) > 1
-            else None
-        )
-        keras_callbacks = None
-        if callbacks is not None:
-            keras_callbacks = KerasCallbacks(
-                callbacks, verbose, plan.final_epoch, validation, chief=trainer.exchange.is_chief
-            )
-            if checkpointer:
-                keras_callbacks.saved_state = checkpointer.state.restored.get("keras")
-                checkpointer.state.providers["keras"] = keras_callbacks.state
-        history = changes()
-        hooks = Hooks(
-            [
-                Membership(history, config.model_dir, trainer.exchange.is_chief)
-                if history
-                else None,
-                guard,
-                TutorialLog(running=keras_callbacks is not None),
-                Rebalance(rebalancing) if rebalancing else None,
-                ProgressLine(progress) if progress else None,
-                keras_callbacks,
-                Evaluation(summaries),
-                TrainSummaries(summaries) if summaries else None,
-                checkpoints,
-                StopOnSignal(signals, checkpoints),
-            ]
+        hooks, keras_callbacks = default_hooks(
+            state, checkpointer, signals, probe, callbacks, verbose, validation
         )
         try:
             train_loop(state, hooks)
