@@ -102,7 +102,7 @@ def test_mirrored_shards_are_what_the_replicas_get(mirrored_input, shards, image
     assert trainer.split.shards == partition(config, CPUS[:3]) == shards
     batch = next(trainer.distribute(train_dataset(images, BATCH, SEED)))
     if mirrored_input == "split":
-        batch = trainer._split(batch, trainer.split.sizes)
+        batch = trainer.cut(batch, trainer.split.sizes)
     x, _ = batch
     assert [len(t) for t in trainer.strategy.experimental_local_results(x)] == shards
 

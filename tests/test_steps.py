@@ -53,7 +53,7 @@ def test_chains_sum_to_the_whole_shard(examples, chains):
 def test_cut_sizes_differ_by_at_most_one():
     import tensorflow as tf
 
-    from tfdp.engine.steps import cut
+    from tfdp.engine.pieces import cut_evenly as cut
 
     pieces = cut(tf.range(10), 4)
     assert [int(tf.size(p)) for p in pieces] == [3, 3, 2, 2]
@@ -63,7 +63,7 @@ def test_cut_sizes_differ_by_at_most_one():
 def test_cut_cuts_every_leaf_of_a_nested_batch_alike():
     import tensorflow as tf
 
-    from tfdp.engine.steps import cut
+    from tfdp.engine.pieces import cut_evenly as cut
 
     batch = ({"a": tf.range(10), "b": tf.reshape(tf.range(20), [10, 2])}, tf.range(10) * 10)
     pieces = cut(batch, 3)

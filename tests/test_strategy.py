@@ -771,9 +771,9 @@ def _loss_scaling_is_tfdps():
     (its trainer and its Loss call it by module attribute): tfdp's replacement weighs by share."""
     from keras.src.losses import loss as loss_module
 
-    from tfdp.engine import shards
+    from tfdp.engine import patches, shards
 
-    shards.install()
+    patches.install()
     with shards.piece(0.25):
         assert float(loss_module.scale_loss_for_distribution(tf.constant(8.0))) == 2.0
         assert float(loss_module.unscale_loss_for_distribution(tf.constant(2.0))) == 8.0
@@ -791,12 +791,12 @@ def _keras_functions_are_there():
     iterator, data_batch)` / `_symbolic_build(data_batch=...)` from shapes and dtypes."""
     import inspect
 
-    from tfdp.engine.strategy import _keras_installed
+    from tfdp.engine.patches import ORIGINALS
 
     trainer = _tensorflow_trainer().TensorFlowTrainer  # Keras' own, before tfdp wraps them
-    make = _keras_installed.get("make", trainer._make_function)  # noqa: SLF001
-    make_predict = _keras_installed.get("make_predict", trainer.make_predict_function)
-    build = _keras_installed.get("build", trainer._maybe_symbolic_build)  # noqa: SLF001
+    make = ORIGINALS.get("make_function", trainer._make_function)  # noqa: SLF001
+    make_predict = ORIGINALS.get("make_predict_function", trainer.make_predict_function)
+    build = ORIGINALS.get("maybe_symbolic_build", trainer._maybe_symbolic_build)  # noqa: SLF001
     assert list(inspect.signature(make).parameters) == ["self", "step_function"]
     assert "force" in inspect.signature(make_predict).parameters
     assert list(inspect.signature(build).parameters) == ["self", "iterator", "data_batch"]
@@ -857,9 +857,9 @@ def _optimizers_clip_before_their_all_reduce():
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-    from tfdp.engine.strategy import _clip_installed
+    from tfdp.engine.patches import ORIGINALS
 
-    keras_clip = _clip_installed.get("clip", BaseOptimizer._clip_gradients)  # noqa: SLF001
+    keras_clip = ORIGINALS.get("clip_gradients", BaseOptimizer._clip_gradients)  # noqa: SLF001
     assert list(inspect.signature(keras_clip).parameters) == ["self", "grads"]
     apply = inspect.getsource(BaseOptimizer._backend_apply_gradients)  # noqa: SLF001
     assert apply.index("self._clip_gradients(grads)") < apply.index("self._backend_update_step(")
@@ -894,10 +894,10 @@ def _batch_normalization_moments():
     `_moments` gives the whole batch's)."""
     import inspect
 
-    from tfdp.engine.strategy import _batch_statistics_installed
+    from tfdp.engine.patches import ORIGINALS
 
     layer = keras.layers.BatchNormalization
-    moments = _batch_statistics_installed.get("moments", layer._moments)  # noqa: SLF001
+    moments = ORIGINALS.get("moments", layer._moments)  # noqa: SLF001
     assert list(inspect.signature(moments).parameters) == ["self", "inputs", "mask"]
     call = inspect.getsource(layer.call)
     assert call.index("self._moments(inputs, mask)") < call.index("self.moving_mean.assign(")
@@ -916,6 +916,23 @@ def _optimizer_variables_come_from_add_variable():
 
     assert "self.add_variable(" in inspect.getsource(BaseOptimizer.add_variable_from_reference)
     assert "return self.add_weight(" in inspect.getsource(keras.layers.Layer.add_variable)
+
+
+def _every_replacement_target_is_there():
+    """Each function tfdp replaces (`internals.replacement_targets`) is where tfdp takes it,
+    a function of Keras' or TensorFlow's own (not tfdp's replacement) before tfdp's."""
+    import inspect
+
+    from tfdp import internals as tfdp_internals
+    from tfdp.engine.patches import ORIGINALS, install
+
+    install()
+    for name, (owner, attribute) in tfdp_internals.replacement_targets().items():
+        original = ORIGINALS[name]
+        assert callable(original) and not original.__module__.startswith("tfdp"), name
+        assert getattr(owner, attribute).__module__ == "tfdp.engine.patches", name
+        assert inspect.signature(original).parameters, name
+    assert ORIGINALS["compute_average_loss"].__module__.startswith("tensorflow")
 
 
 def _a_distributed_dataset_without_rebatching():
@@ -942,6 +959,7 @@ INTERNALS = {
     "BatchNormalization._moments and _reduction_axes": _batch_normalization_moments,
     "input_util.get_distributed_dataset without rebatching": _a_distributed_dataset_without_rebatching,
     "BaseOptimizer.add_variable, Layer.add_weight make the variables": _optimizer_variables_come_from_add_variable,
+    "internals.replacement_targets, each Keras' or TensorFlow's": _every_replacement_target_is_there,
 }
 
 

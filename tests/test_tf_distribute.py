@@ -220,10 +220,10 @@ def test_the_tutorials_loop_without_a_global_batch_is_one_device(data):
 
 def test_without_the_replacement_the_tutorials_loop_is_not_one_device(monkeypatch):
     """The check above can fail: TensorFlow's own division is off under uneven pieces."""
-    from tfdp.engine import strategy as strategy_module
+    from tfdp.engine.patches import ORIGINALS
 
     expected = one_device()
-    original = strategy_module._losses_installed["compute_average_loss"]  # noqa: SLF001
+    original = ORIGINALS["compute_average_loss"]
     monkeypatch.setattr(tf.nn, "compute_average_loss", original)
     got = tutorial_loop(strategy(), "dataset")
     assert max(np.abs(e - g).max() for e, g in zip(expected[0], got[0])) > 1e-4

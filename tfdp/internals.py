@@ -188,6 +188,12 @@ def keras_release() -> tuple[int, int]:
     return tuple(int(part) for part in keras.__version__.split(".")[:2])
 
 
+def build_from_spec(model, spec) -> None:
+    """`model._symbolic_build(data_batch=spec)` as Keras' own `_maybe_symbolic_build`
+    calls it (its errors as they are). Checked: Keras 3.10.0-3.15.1."""
+    model._symbolic_build(data_batch=spec)  # noqa: SLF001
+
+
 def symbolic_build(model, batch) -> None:
     """`model._symbolic_build(data_batch=batch)`: what fit builds before its first step.
     Keras 3.10-3.13 wrap its error in RuntimeError("Unable to automatically build the
@@ -295,6 +301,12 @@ def compute_loss_of(model):
 # Checked: Keras 3.10.0-3.15.1, all present with the same meaning.
 
 
+def callback_history(callbacks):
+    """The `History` a `CallbackList` made with `add_history=True` (`_history`).
+    Checked: Keras 3.10.0-3.15.1."""
+    return callbacks._history  # noqa: SLF001
+
+
 def layers_of(model):
     """`model._flatten_layers(include_self=True)`: every layer, nested ones too."""
     return model._flatten_layers(include_self=True)  # noqa: SLF001
@@ -396,6 +408,43 @@ def values_util():
     from tensorflow.python.distribute import values_util
 
     return values_util
+
+
+def replacement_targets() -> dict:
+    """Every function tfdp replaces by attribute (engine/patches.py installs the
+    replacements, once per process), by name: (what holds it, the attribute). What each
+    owner is, and why tfdp takes it, is said where it is imported above.
+    `tf.nn.compute_average_loss` is replaced wherever TensorFlow holds it
+    (`replace_everywhere`)."""
+    trainer, optimizer, losses = tensorflow_trainer(), base_optimizer(), loss_scaling()
+    return {
+        "scale_loss_for_distribution": (losses, "scale_loss_for_distribution"),
+        "unscale_loss_for_distribution": (losses, "unscale_loss_for_distribution"),
+        "on_write_assign": (values_util(), "on_write_assign"),
+        "clip_gradients": (optimizer, "_clip_gradients"),
+        "add_variable": (optimizer, "add_variable"),
+        "add_weight": (keras_layer(), "add_weight"),
+        "make_function": (trainer, "_make_function"),
+        "make_predict_function": (trainer, "make_predict_function"),
+        "maybe_symbolic_build": (trainer, "_maybe_symbolic_build"),
+        "moments": (batch_normalization(), "_moments"),
+    }
+
+
+def replace(name: str, replacement):
+    """`replacement` in place of the target `name` (`replacement_targets`); returns what
+    was there."""
+    owner, attribute = replacement_targets()[name]
+    original = getattr(owner, attribute)
+    setattr(owner, attribute, replacement)
+    return original
+
+
+def set_collective_key_base(strategy, base: int) -> None:
+    """Where a MirroredStrategy (an instance before its `__init__`, or the class) numbers
+    its collective groups from: TensorFlow reads `_collective_key_base` when it builds the
+    strategy's collective ops. Checked: TensorFlow 2.19.1-2.21.0."""
+    strategy._collective_key_base = base  # noqa: SLF001
 
 
 def autograph_convert(fn):

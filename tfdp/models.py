@@ -202,7 +202,7 @@ def has_batch_statistics(model) -> bool:
     """Whether the model has layers whose output depends on the batch (batch
     normalization): cutting a shard into chains would change them."""
     return any(
-        isinstance(layer, keras.layers.BatchNormalization) for layer in model._flatten_layers()
+        isinstance(layer, keras.layers.BatchNormalization) for layer in internals.layers_of(model)
     )
 
 

@@ -66,11 +66,12 @@ def strategy_for(row: str):
     import tensorflow as tf
 
     import tfdp
+    from tfdp import internals
     from tfdp.engine.strategy import next_collective_key_base
 
     devices = ["/cpu:0", "/cpu:1"]
     if row == "tf mirrored x2":
-        tf.distribute.MirroredStrategy._collective_key_base = next_collective_key_base()  # noqa: SLF001
+        internals.set_collective_key_base(tf.distribute.MirroredStrategy, next_collective_key_base())
         return tf.distribute.MirroredStrategy(devices)
     slow = {1: SLOWDOWN} if "slow" in row else None
     powers = "auto" if "auto" in row else None  # the 4:1 row takes its split after step 2

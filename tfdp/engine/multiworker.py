@@ -27,7 +27,7 @@ made (before a restore), on the training data in `balancers.WorkerBalancer.set_u
 place the trainer sees it. A difference stops every worker with ConfigError.
 
 Only the chief (task `chief`, else `worker:0`) writes the model directory;
-the cluster itself (TF_CONFIG, joining, failures) is tfdp/cluster.py.
+the cluster itself (TF_CONFIG, joining, failures) is tfdp/cluster/.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from tfdp.cluster.spec import find_cluster
 from tfdp.devices import AUTO, split_batch
 from tfdp.engine import shards as shards_lib
 from tfdp.engine.cluster_strategy import join_cluster
-from tfdp.engine.steps import cut, num_examples, shard_sizes_for
+from tfdp.engine.pieces import cut_evenly, num_examples, piece_sizes
 from tfdp.engine.trainer import Probes, Trainer
 
 
@@ -71,7 +71,7 @@ class WorkerProbes(Probes):
         def step():
             with shards_lib.handing_over(trainer.model):
                 return trainer.strategy.experimental_local_results(
-                    trainer.strategy.run_unweighed(work, args=(trainer._local_pieces(batch),))
+                    trainer.strategy.run_unweighed(work, args=(trainer.local_pieces(batch),))
                 )
 
         with self.untouched():
@@ -158,7 +158,7 @@ class MultiWorkerTrainer(Trainer):
         of example indices into arrays) gathers only that slice's examples, so a worker
         reads its share of each batch, not the whole batch. The batch's size is the
         divisor of the loss (an epoch's last batch may be partial, and is then split by
-        `steps.partial_shards`).
+        the same rule, engine/pieces.py's).
 
         A plain tf.data iterator on the host, as the other modes read theirs, not
         tf.distribute's: the per-device iterators of `distribute_datasets_from_function`
@@ -206,19 +206,20 @@ class MultiWorkerTrainer(Trainer):
 
     def _pieces(self, batch):
         """This worker's slice of the whole global `batch` by the split of this step
-        (`steps.shard_sizes_for`), cut near-equally over its local replicas: one
+        (engine/pieces.py's rule), cut near-equally over its local replicas: one
         value per local replica."""
         examples = num_examples(batch)  # the global batch, or an epoch's partial last one
-        sizes = shard_sizes_for(examples, self.split.global_batch_size, self.split.sizes)
+        sizes = piece_sizes(examples, self.split.sizes)
         begin, size = tf.reduce_sum(sizes[: self.index]), sizes[self.index]
         own = tf.nest.map_structure(lambda t: t[begin : begin + size], batch)
         if self._gather is not None:  # indices: read this worker's examples only
             own = self._gather(own)
-        return self._local_pieces(own)
+        return self.local_pieces(own)
 
-    def _local_pieces(self, own):
+    def local_pieces(self, own):
+        """This worker's slice `own` cut near-equally over its local replicas."""
         replicas = self.local_replicas
-        pieces = [own] if replicas == 1 else cut(own, replicas)
+        pieces = [own] if replicas == 1 else cut_evenly(own, replicas)
         return self.strategy.experimental_distribute_values_from_function(
             lambda context: pieces[context.replica_id_in_sync_group % replicas]
         )

@@ -8,8 +8,8 @@ whole batch, however unevenly the batch was cut:
 1. **The loss of a piece is weighed by its examples.** Keras scales a replica's
    mean-type loss (the compiled loss, `add_loss` terms, regularizers) by 1/R for
    R replicas (`keras.src.losses.loss.scale_loss_for_distribution`), exact only
-   for equal shards. While a piece is traced, tfdp's replacement scales it by
-   n/N instead (n examples of N in the global batch), and unscales the loss
+   for equal shards. While a piece is traced, tfdp's replacement (engine/patches.py)
+   scales it by n/N instead (n examples of N in the global batch), and unscales the loss
    trackers' values by the same factor. Keras decides which losses get the
    factor ("sum" reductions do not), so it stays Keras' rule, with tfdp's weight.
 2. **The gradients go to the mode's reduction.** While a piece is traced,
@@ -39,7 +39,6 @@ import tensorflow as tf
 from tfdp import internals
 
 _local = threading.local()  # MirroredStrategy traces each replica in a thread of its own
-_installed = {}
 
 
 class ShardContext:
@@ -63,41 +62,14 @@ def current() -> ShardContext | None:
 
 @contextlib.contextmanager
 def piece(fraction):
-    """Inside: the losses Keras scales for distribution are weighed by `fraction`."""
-    install()
+    """Inside: the losses Keras scales for distribution are weighed by `fraction` (its
+    replacement of Keras' scaling is engine/patches.py's)."""
     outer = current()
     context = _local.context = ShardContext(tf.convert_to_tensor(fraction, tf.float32))
     try:
         yield context
     finally:
         _local.context = outer
-
-
-def install() -> None:
-    """Replaces Keras' distribution scaling of losses with tfdp's, once per process. Outside
-    a tfdp piece the replacement is Keras' own function."""
-    if _installed:
-        return
-    loss_module = internals.loss_scaling()
-    keras_scale = loss_module.scale_loss_for_distribution
-    keras_unscale = loss_module.unscale_loss_for_distribution
-
-    def scale_loss_for_distribution(value):
-        context = current()
-        if context is None:
-            return keras_scale(value)
-        context.scaled = True
-        return value * tf.cast(context.fraction, value.dtype)
-
-    def unscale_loss_for_distribution(value):
-        context = current()
-        if context is None:
-            return keras_unscale(value)
-        return tf.math.divide_no_nan(value, tf.cast(context.fraction, value.dtype))
-
-    loss_module.scale_loss_for_distribution = scale_loss_for_distribution
-    loss_module.unscale_loss_for_distribution = unscale_loss_for_distribution
-    _installed.update(scale=keras_scale, unscale=keras_unscale)
 
 
 class ShardOptimizer:
@@ -140,6 +112,38 @@ def handing_over(model):
         yield
     finally:
         object.__setattr__(model, "optimizer", optimizer)
+
+
+def trainer_of(fn):
+    """The Keras model whose own step `fn` is (Keras passes `model.train_step`), else None."""
+    owner = getattr(fn, "__self__", None)
+    name = getattr(fn, "__name__", "")
+    if isinstance(owner, internals.keras_trainer()) and name in ("train_step", "test_step"):
+        return owner
+    return None
+
+
+def not_scaled(model, step_name, weighed, replicas) -> str | None:
+    """The note for a model's own `train_step` whose loss Keras never scaled, run on
+    `replicas` replicas (None where there is nothing to say): its gradients were weighed
+    by share (`weighed`, exact for a mean over the batch), or not weighed at all."""
+    name = f"{type(model).__name__}.{step_name}"
+    if step_name != "train_step" or not overrides(model, "train_step"):
+        return None
+    if replicas == 1 or not model.trainable_weights:  # nothing to weigh
+        return None
+    if weighed:
+        return (
+            f"{name} computes its loss without Keras' loss functions (compute_loss): each "
+            "replica's gradients and the scalars its Mean trackers take are weighed by its "
+            "share of the batch's examples, which is exact for a loss that is a mean over "
+            "the batch"
+        )
+    return (
+        f"{name} computes its loss without Keras' loss functions and hands no gradients "
+        "to an optimizer: its update is not weighed by each replica's share of the "
+        "batch, and is not one device's; compute the loss with self.compute_loss(...)"
+    )
 
 
 def overrides(model, name: str) -> bool:
@@ -280,9 +284,3 @@ def train_piece(model, data, fraction):
     elif own and not context.handed and model.trainable_weights:
         note = f"{name} hands no gradients to model.optimizer: it updates the weights itself"
     return logs, handed, note
-
-
-def test_piece(model, data, fraction):
-    """`model.test_step(data)` for a piece of `fraction` of the global batch: its logs."""
-    with piece(fraction), weighing_output_losses(model, fraction):
-        return model.test_step(data)

@@ -2,30 +2,18 @@
 
 `DeviceWork` runs `model.train_step` on a device's shard, cut into side-by-side
 pieces (chains), each weighed by its examples (shards.py), and returns the
-gradients the pieces handed over, summed, for the mode to reduce and apply;
-`test` runs `model.test_step` likewise. The cutting of a global batch into
-shards (`split`, `shard_sizes_for`) is here too, so that every mode cuts alike.
+gradients the pieces handed over, summed, for the mode to reduce and apply. How
+a batch is cut is engine/pieces.py's, one rule for every door.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdp.data.leaves import first, rows
-from tfdp.engine import clock
+from tfdp.engine import clock, patches
 from tfdp.engine import shards as shards_lib
+from tfdp.engine.pieces import cut_evenly, num_examples
 from tfdp.engine.shards import add_gradients
-
-
-def num_examples(batch) -> tf.Tensor:
-    """The examples in a batch: the length of its first leaf (dense, sparse or ragged; not
-    an optional input given None)."""
-    leaf = first(batch)
-    if isinstance(leaf, tf.SparseTensor):
-        return tf.cast(leaf.dense_shape[0], tf.int32)
-    if isinstance(leaf, tf.RaggedTensor):
-        return tf.cast(leaf.nrows(), tf.int32)
-    return tf.shape(leaf)[0]
 
 
 def zeros_like_gradient(gradient, variable):
@@ -82,11 +70,10 @@ class DeviceWork:
         self.gradients_like = None  # a piece's gradients, once one has run (their kinds)
         self.notes = []  # how the model's own train_step was run, where not as Keras' (shards.py)
         run = self._train_piece
-        test = shards_lib.test_piece
         if jit_compile:
             run = tf.function(run, jit_compile=True, autograph=False)
-            test = tf.function(test, jit_compile=True, autograph=False)
-        self._run, self._test = run, test
+        self._run = run
+        patches.install()
 
     @property
     def guarded(self) -> bool:
@@ -122,7 +109,7 @@ class DeviceWork:
             start = clock.read_after(tf.nest.flatten(shard, expand_composites=True)[0])
             with tf.control_dependencies([start]):  # the work starts after the clock is read
                 shard = _identity(shard)
-        parts = cut(shard, self.chains) if self.chains > 1 else [shard]
+        parts = cut_evenly(shard, self.chains) if self.chains > 1 else [shard]
         logs, gradients = None, None
         for index, part in enumerate(parts):
             guarded = guard and (self.may_be_empty or index > 0)  # later pieces of a small shard
@@ -187,24 +174,6 @@ class DeviceWork:
         logs = tf.nest.map_structure(tf.convert_to_tensor, logs)
         return logs, [g for g, _ in pairs]
 
-    def test(self, shard, examples):
-        """The model's test_step on `shard` of a batch of `examples`: its logs (zeros for a
-        shard without examples, which the caller leaves out). Evaluation batches may be
-        smaller than the devices, so a shard may always be empty."""
-        fraction = tf.cast(num_examples(shard), tf.float32) / tf.cast(examples, tf.float32)
-        traced = {}
-
-        def run():
-            traced["logs"] = _tensors(self._test(self.model, shard, fraction))
-            return traced["logs"]
-
-        def nothing():
-            return tf.nest.map_structure(_zeros_like, traced.get("logs", self.logs_like))
-
-        if tf.executing_eagerly():
-            return run() if bool(num_examples(shard) > 0) else nothing()
-        return tf.cond(num_examples(shard) > 0, run, nothing)
-
 
 def _tensors(logs):
     return tf.nest.map_structure(tf.convert_to_tensor, logs)
@@ -218,56 +187,3 @@ def with_metrics(model, logs):
         return logs
     results = model.get_metrics_result()
     return {name: results.get(name, value) for name, value in logs.items()}
-
-
-def cut(batch, parts):
-    """A nested batch cut along its first axis into `parts` near-equal pieces (sizes known at
-    run time): a list of `parts` batches of the same structure."""
-    n = num_examples(batch)
-    sizes = n // parts + tf.cast(tf.range(parts) < n % parts, tf.int32)
-    return split(batch, sizes, parts)
-
-
-def partial_shards(examples, shards):
-    """The split of a partial batch of `examples` (a scalar tensor) over devices whose
-    full-batch shares are `shards` (a vector): one example each first, when there are
-    enough, then the rest in proportion to `shards`, largest remainder first (ties to
-    the earlier device), as `devices.split_batch` does."""
-    shards = tf.cast(shards, tf.int64)
-    n = tf.cast(examples, tf.int64)
-    devices = tf.size(shards, out_type=tf.int64)
-    ones = tf.cast(n >= devices, tf.int64)
-    rest = n - ones * devices
-    total = tf.reduce_sum(shards)
-    base = rest * shards // total
-    remainders = rest * shards - base * total
-    missing = rest - tf.reduce_sum(base)
-    order = tf.argsort(-remainders, stable=True)
-    extra = tf.scatter_nd(
-        tf.expand_dims(order[:missing], 1), tf.ones([missing], tf.int64), [devices]
-    )
-    return tf.cast(base + extra + ones, tf.int32)
-
-
-def shard_sizes_for(examples, global_batch_size, shards):
-    """`shards` for a full global batch, `partial_shards` for the last, partial one."""
-    return tf.cond(
-        tf.equal(examples, global_batch_size),
-        lambda: tf.convert_to_tensor(shards, tf.int32),
-        lambda: partial_shards(examples, shards),
-    )
-
-
-def split(batch, sizes, parts):
-    """A nested batch cut along its first axis into pieces of `sizes`: a list of batches.
-    Sparse and ragged leaves are cut by their rows."""
-    leaves = tf.nest.flatten(batch)
-    if all(isinstance(leaf, tf.Tensor) for leaf in leaves):
-        pieces = [tf.split(leaf, sizes, num=parts) for leaf in leaves]
-    elif all(leaf is None or isinstance(leaf, tf.Tensor) for leaf in leaves):
-        pieces = [[None] * parts if leaf is None else tf.split(leaf, sizes, num=parts) for leaf in leaves]
-    else:
-        sizes = tf.convert_to_tensor(sizes)
-        starts = tf.concat([[0], tf.cumsum(sizes)[:-1]], 0)
-        pieces = [[rows(leaf, starts[j], sizes[j]) for j in range(parts)] for leaf in leaves]
-    return [tf.nest.pack_sequence_as(batch, [piece[j] for piece in pieces]) for j in range(parts)]

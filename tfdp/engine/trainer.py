@@ -11,7 +11,7 @@ statistics by share, and reads the logs as the whole batch gives them; what the
 model's step does with `training=False`, its own trackers or its optimizer is what
 Keras does with it.
 
-Each global batch is cut on the host (the run's split, `shard_sizes_for`), so its
+Each global batch is cut on the host (the run's split, by engine/pieces.py's rule), so its
 input position can be saved. The loop (`training.run`) calls only what this class
 declares; it never asks which mode it runs.
 """
@@ -27,7 +27,8 @@ from tfdp.cluster.exchange import LOCAL
 from tfdp.engine import shards as shards_lib
 from tfdp.engine.placement import Placement, kept
 from tfdp.engine.split import Split
-from tfdp.engine.steps import DeviceWork, num_examples, shard_sizes_for, split, with_metrics
+from tfdp.engine.pieces import cut, num_examples, piece_sizes
+from tfdp.engine.steps import DeviceWork, with_metrics
 
 
 class Probes:
@@ -93,8 +94,8 @@ class Probes:
 
         with shards_lib.handing_over(trainer.model):
             if trainer.strategy is None:
-                return tf.stack([trainer._run(seconds, trainer._split(batch, sizes))])
-            per_replica = trainer.strategy.run(seconds, args=(trainer._split(batch, sizes),))
+                return tf.stack([trainer.run(seconds, trainer.cut(batch, sizes))])
+            per_replica = trainer.strategy.run(seconds, args=(trainer.cut(batch, sizes),))
         return tf.stack(trainer.strategy.experimental_local_results(per_replica))
 
 
@@ -269,9 +270,9 @@ class Trainer:
 
     def _train_replicas(self, pieces):
         step = self.model.train_step if self._work is None else self._chained_step
-        return self._run(step, pieces)
+        return self.run(step, pieces)
 
-    def _run(self, fn, pieces):
+    def run(self, fn, pieces):
         """`fn` on every replica's piece, in the strategy; its values as a replica's (each
         holds the whole batch's: the strategy reads them so). Without a strategy, `fn` on
         the device, as Keras runs the model's step."""
@@ -296,18 +297,18 @@ class Trainer:
         return self._replicas_test(self._pieces(batch))
 
     def _test_replicas(self, pieces):
-        return self._run(self.model.test_step, pieces)
+        return self.run(self.model.test_step, pieces)
 
     def _pieces(self, batch):
         """A global batch on the host -> one piece per replica, of the run's split."""
         if self._input != "split":
             return batch  # the strategy's iterator cut it
         examples = num_examples(batch)  # the global batch, or an epoch's partial last one
-        sizes = shard_sizes_for(examples, self.split.global_batch_size, self.split.sizes)
-        return self._split(batch, sizes)
+        return self.cut(batch, piece_sizes(examples, self.split.sizes))
 
-    def _split(self, batch, sizes):
-        pieces = split(batch, sizes, len(self.split.devices))
+    def cut(self, batch, sizes):
+        """`batch` cut into pieces of `sizes`, one per replica (a distributed value)."""
+        pieces = cut(batch, sizes, len(self.split.devices))
         if self.strategy is None:
             return pieces[0]  # (its batch size unknown to the trace, as in Keras' fit)
         return self.strategy.experimental_distribute_values_from_function(

@@ -103,7 +103,7 @@ class KerasCallbacks(Hook):
             epochs=self.epochs,
             steps=run.plan.steps_per_epoch,
         )
-        self.history = self.list._history
+        self.history = internals.callback_history(self.list)
         self.model.stop_training = False
         self.logs = {}
         if self.saved_state is not None:  # a CSV of the run so far is continued, not replaced

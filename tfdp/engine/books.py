@@ -1,0 +1,176 @@
+"""The strategy's books: each replica's share of a batch, and the timing of every step
+that balances the shares (`powers="auto"`) or reports the replicas' seconds to a driver.
+
+`StepClock` times one replica's step on the step's own ops (engine/clock.py reads the
+host clock without ordering the replicas); `account` turns a measurement window's rows
+and seconds into new shares, in the step's graph.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfdp import internals
+from tfdp.engine.clock import read_after, sleep_then_read
+from tfdp.errors import ConfigError
+
+
+def variable(value, dtype, name):
+    """A variable of tfdp's books: on the host, outside any strategy's scope and any graph
+    of the caller's (a tf.compat.v1 graph gets none of tfdp's variables)."""
+    with tf.init_scope(), internals.outside_strategy_scopes(), tf.device("/cpu:0"):
+        return tf.Variable(value, trainable=False, dtype=dtype, name=name)
+
+
+class Books:
+    """The variables a step reads and writes: the shares, and the timing behind "auto"."""
+
+    def __init__(self, powers):
+        make, count = variable, len(powers)
+        self.shares = make(shares_of(powers), tf.float64, "tfdp_shares")
+        self.timed_steps = make(0, tf.int64, "tfdp_timed_steps")
+        self.window_rows = make([0.0] * count, tf.float64, "tfdp_window_rows")
+        self.window_seconds = make([0.0] * count, tf.float64, "tfdp_window_seconds")
+        self.measured = make([0.0] * count, tf.float64, "tfdp_measured")
+        self.slowdown_calls = make([0] * count, tf.int64, "tfdp_slowdown_calls")
+        self.slowdown_per_example = make([0.0] * count, tf.float64, "tfdp_slowdown")
+        self.last_seconds = make([0.0] * count, tf.float64, "tfdp_last_seconds")
+
+
+class StepClock:
+    """Times one replica's step on the step's own ops: from the moment every replica holds
+    its piece to the moment its gradients are handed to the all-reduce (the last sum the
+    step asks for), with the simulated slowdown added there. `record` publishes the replicas' speeds and,
+    when a measurement window ends, sets the shares to them."""
+
+    def __init__(self, strategy, context, rows, after):
+        self.strategy, self.context, self.rows = strategy, context, rows
+        self.replica = int(tf.get_static_value(context.replica_id_in_sync_group))
+        self.start = read_after(after)
+        self.end = None
+
+    def __enter__(self):
+        keras_all_reduce = self.context.all_reduce
+
+        def all_reduce(reduce_op, value, options=None):
+            if reduce_op == tf.distribute.ReduceOp.SUM or reduce_op == "SUM":
+                value = self.gradients_ready(value)
+            return keras_all_reduce(reduce_op, value, options)
+
+        self.context.all_reduce = all_reduce
+        return self
+
+    def __exit__(self, *exc):
+        del self.context.all_reduce
+
+    def gradients_ready(self, value):
+        leaves = [v for v in tf.nest.flatten(value, expand_composites=True) if tf.is_tensor(v)]
+        end = read_after(*leaves)
+        factor = self.strategy.slowdown.get(self.replica)
+        given = self.strategy.sleep_per_example
+        if given is not None:
+            end = sleep_then_read(end, given[self.replica] * tf.cast(self.rows, tf.float64))
+        elif factor:
+            end = slow_down(self.strategy.books, self.replica, factor, self.start, end, self.rows)
+        self.end = end
+        # The gradients leave after the clock (and the sleep): a data dependency, as a
+        # control dependency on a stateless op is pruned when nothing reads its value.
+        return tf.nest.map_structure(lambda leaf: _after(leaf, end), value)
+
+    def record(self, all_reduce):
+        strategy = self.strategy
+        if self.end is None or not (strategy.auto or strategy.reports_seconds):
+            return  # (no gradients: an evaluation step)
+        count = self.strategy.num_replicas_in_sync
+        mine = tf.one_hot(self.replica, count, dtype=tf.float64)
+        seconds = tf.maximum(self.end - self.start, 1e-9)
+        both = all_reduce(
+            tf.distribute.ReduceOp.SUM,
+            tf.concat([mine * tf.cast(self.rows, tf.float64), mine * seconds], 0),
+        )
+        if self.replica % strategy.local_replicas == 0:  # one replica per worker keeps the books
+            if strategy.auto:
+                account(strategy.books, both[:count], both[count:], strategy.measure_steps,
+                        strategy.rebalance_every)
+            strategy.books.last_seconds.assign(both[count:])
+
+
+def slow_down(books, replica, factor, start, end, rows):
+    """The simulated slowdown of one replica: a sleep of (factor - 1) times its seconds
+    per example, taken from its second step (the first sets up kernels) and fixed from
+    then on, so that the sleep follows the rows it is given. Returns the time after it."""
+    calls = books.slowdown_calls.scatter_nd_add([[replica]], [1])[replica]
+    seconds = tf.maximum(end - start, 0.0)
+    per_example = tf.math.divide_no_nan(seconds, tf.cast(rows, tf.float64))
+    fixed = books.slowdown_per_example.scatter_nd_update(
+        [[replica]], [tf.where(tf.equal(calls, 2), per_example, books.slowdown_per_example[replica])]
+    )[replica]
+    sleep = tf.where(fixed > 0, fixed * tf.cast(rows, tf.float64), seconds) * (factor - 1.0)
+    return sleep_then_read(end, sleep)
+
+
+def account(books, rows, seconds, first, every):
+    """One timed step's rows and seconds per replica, into the measurement window;
+    at the window's end the shares become the measured speeds (in the step's graph)."""
+    step = books.timed_steps.assign_add(1)
+    counting = step > 1  # the first step sets up kernels
+    window_rows = books.window_rows.assign_add(tf.where(counting, rows, 0.0))
+    window_seconds = books.window_seconds.assign_add(tf.where(counting, seconds, 0.0))
+    due = tf.equal(step, first + 1)
+    if every:
+        later = tf.logical_and(step > first + 1, tf.equal((step - first - 1) % every, 0))
+        due = tf.logical_or(due, later)
+    speeds = tf.math.divide_no_nan(window_rows, window_seconds)
+    valid = tf.logical_and(due, tf.reduce_all(speeds > 0))
+    books.measured.assign(tf.where(valid, speeds, books.measured))
+    books.shares.assign(tf.where(valid, speeds / tf.reduce_sum(speeds), books.shares))
+    books.window_rows.assign(tf.where(due, tf.zeros_like(rows), window_rows))
+    books.window_seconds.assign(tf.where(due, tf.zeros_like(seconds), window_seconds))
+
+
+def _after(leaf, clock):
+    """`leaf` (a tensor, or a sparse gradient's rows), computed only once `clock` is."""
+    if isinstance(leaf, tf.IndexedSlices):
+        return tf.IndexedSlices(_after(leaf.values, clock), leaf.indices, leaf.dense_shape)
+    if not tf.is_tensor(leaf) or not (leaf.dtype.is_floating or leaf.dtype.is_complex):
+        with tf.control_dependencies([clock]):
+            return tf.identity(leaf)
+    return leaf + tf.cast(clock * 0.0, leaf.dtype)
+
+
+def checked_steps(field, value, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(field, value, "must be a whole number of steps >= 1")
+    return value
+
+
+def checked_slowdown(slowdown, count):
+    slowdown = dict(slowdown or {})
+    for replica, factor in slowdown.items():
+        if not isinstance(replica, int) or not 0 <= replica < count:
+            raise ConfigError("simulate_slowdown", slowdown, f"{replica!r} is not a replica index below {count}")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+            raise ConfigError("simulate_slowdown", slowdown, f"factor {factor!r} must be a number >= 1")
+    return {replica: float(factor) for replica, factor in slowdown.items()}
+
+
+def checked_powers(powers, count):
+    if powers is None:
+        return [1.0] * count
+    if isinstance(powers, str):
+        raise ConfigError("powers", powers, "must be 'auto', a sequence of numbers (e.g. [1, 3]) or None")
+    powers = list(powers)
+    if len(powers) != count:
+        raise ConfigError("powers", powers, f"needs one power per replica ({count}), got {len(powers)}")
+    for p in powers:
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not p > 0 or p == float("inf"):
+            raise ConfigError("powers", powers, f"every power must be a positive finite number, got {p!r}")
+    return [float(p) for p in powers]
+
+
+def shares_of(powers):
+    """Each power's fraction of their sum."""
+    total = sum(powers)
+    return [p / total for p in powers]

@@ -1,0 +1,210 @@
+"""The cut: how every door of tfdp cuts a batch into the replicas' pieces, by one rule.
+
+A batch of n rows over replicas weighed w_1..w_R (powers, a split's examples, measured
+speeds) gives replica i the floor of n w_i / W rows, then one row more to each of the
+replicas with the largest remainders until the pieces hold n, ties to the earlier
+replica (largest remainder: every piece within one row of its exact share). Where that
+leaves a replica of positive weight without a row, and the batch has a row for each (a
+short batch), each takes one row first and the rest goes by largest remainder: a
+kernel such as oneDNN's max-pooling gradient does not take an empty piece.
+`piece_sizes` is the rule in a step's graph; `devices.split_batch` the same rule on the
+host for a full batch. The trainer cuts its host batches by it (`cut`), the strategy the batches of a
+dataset it distributes (`by_share`), short batches alike.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfdp import internals
+from tfdp.data.leaves import first, rows
+
+
+def piece_sizes(examples, weights) -> tf.Tensor:
+    """The rows of each replica's piece of a batch of `examples` rows (int32): the largest
+    remainder, or, where that leaves a replica of positive weight without a row and the
+    batch has a row for each, one row each and the rest by largest remainder."""
+    n = tf.cast(examples, tf.int64)
+    weights = tf.cast(weights, tf.float64)
+    taking = tf.cast(weights > 0, tf.int64)
+    sizes = _largest_remainder(n, weights)
+    short = tf.logical_and(
+        tf.reduce_any(tf.logical_and(sizes == 0, taking > 0)), n >= tf.reduce_sum(taking)
+    )
+    sizes = tf.cond(
+        short, lambda: taking + _largest_remainder(n - tf.reduce_sum(taking), weights), lambda: sizes
+    )
+    return tf.cast(sizes, tf.int32)
+
+
+def _largest_remainder(n, weights):
+    exact = tf.cast(n, tf.float64) * weights / tf.reduce_sum(weights)
+    base = tf.cast(tf.floor(exact), tf.int64)
+    missing = tf.maximum(n - tf.reduce_sum(base), 0)
+    order = tf.argsort(-(exact - tf.floor(exact)), stable=True)  # ties: the earlier first
+    extra = tf.scatter_nd(tf.expand_dims(order[:missing], 1), tf.ones([missing], tf.int64),
+                          tf.shape(base))
+    return base + extra
+
+
+def piece_bounds(examples, weights) -> tf.Tensor:
+    """Where a batch of `examples` rows is cut: R+1 increasing row indices, 0 to examples."""
+    sizes = tf.cast(piece_sizes(examples, weights), tf.int64)
+    return tf.concat([tf.zeros([1], tf.int64), tf.cumsum(sizes)], 0)
+
+
+def cut(batch, sizes, parts):
+    """A nested batch cut along its first axis into pieces of `sizes`: a list of batches.
+    Sparse and ragged leaves are cut by their rows."""
+    leaves = tf.nest.flatten(batch)
+    if all(isinstance(leaf, tf.Tensor) for leaf in leaves):
+        pieces = [tf.split(leaf, sizes, num=parts) for leaf in leaves]
+    elif all(leaf is None or isinstance(leaf, tf.Tensor) for leaf in leaves):
+        pieces = [[None] * parts if leaf is None else tf.split(leaf, sizes, num=parts) for leaf in leaves]
+    else:
+        sizes = tf.convert_to_tensor(sizes)
+        starts = tf.concat([[0], tf.cumsum(sizes)[:-1]], 0)
+        pieces = [[rows(leaf, starts[j], sizes[j]) for j in range(parts)] for leaf in leaves]
+    return [tf.nest.pack_sequence_as(batch, [piece[j] for piece in pieces]) for j in range(parts)]
+
+
+def cut_evenly(batch, parts):
+    """A nested batch cut into `parts` near-equal pieces (the rule with equal weights)."""
+    return cut(batch, piece_sizes(num_examples(batch), tf.ones([parts])), parts)
+
+
+def num_examples(batch) -> tf.Tensor:
+    """The examples in a batch: the length of its first leaf (dense, sparse or ragged; not
+    an optional input given None)."""
+    leaf = first(batch)
+    if isinstance(leaf, tf.SparseTensor):
+        return tf.cast(leaf.dense_shape[0], tf.int32)
+    if isinstance(leaf, tf.RaggedTensor):
+        return tf.cast(leaf.nrows(), tf.int32)
+    return tf.shape(leaf)[0]
+
+def none_for_none_spec(spec):
+    """None for the spec of a None in a dataset's elements (Keras builds an optional input
+    given None from None), any other spec as it is."""
+    return None if type(spec).__name__ == "NoneTensorSpec" else spec
+
+
+def has_rows(spec) -> bool:
+    shape = getattr(spec, "shape", None)
+    return shape is not None and shape.rank is not None and shape.rank >= 1
+
+
+def rows_of(structure):
+    """Rows of the first leaf of `structure` that is a batch (a dense, ragged or sparse
+    tensor with a batch axis; not a variable, nor another composite such as a gradient's
+    IndexedSlices), else None."""
+    for leaf in tf.nest.flatten(structure, expand_composites=False):
+        if isinstance(leaf, tf.RaggedTensor):
+            return leaf.nrows(out_type=tf.int64)
+        if isinstance(leaf, tf.SparseTensor):
+            return leaf.dense_shape[0]
+        if isinstance(leaf, tf.Tensor) and leaf.shape.rank is not None and leaf.shape.rank >= 1:
+            return tf.shape(leaf, out_type=tf.int64)[0]
+    return None
+
+def batch_positions(structure, every):
+    """The positions (in `tf.nest.flatten` order) of the leaves of `run`'s arguments that
+    hold a value per replica; with `every`, all of them."""
+    leaves = tf.nest.flatten(structure, expand_composites=False)
+    if every:
+        return None
+    return [
+        i for i, leaf in enumerate(leaves)
+        if isinstance(leaf, tf.distribute.DistributedValues)
+        and not isinstance(leaf, (tf.Variable, internals.mirrored_type()))
+    ]
+
+
+def leaves_at(structure, positions):
+    """The leaves of a replica's arguments at `positions` (all of them for None)."""
+    leaves = tf.nest.flatten(structure, expand_composites=False)
+    if positions is None:
+        return leaves
+    return [leaves[i] for i in positions if i < len(leaves)]
+
+
+def rows_between(leaf, start, stop):
+    """Rows [start, stop) of one leaf of a batch; a leaf without a batch axis whole."""
+    if isinstance(leaf, tf.SparseTensor):
+        shape = leaf.dense_shape
+        begin = tf.concat([[start], tf.zeros_like(shape[1:])], 0)
+        size = tf.concat([[stop - start], shape[1:]], 0)
+        return tf.sparse.slice(leaf, begin, size)
+    if isinstance(leaf, tf.RaggedTensor):
+        return leaf[start:stop]
+    if tf.is_tensor(leaf) and leaf.shape.rank is not None and leaf.shape.rank >= 1:
+        return leaf[start:stop]
+    return leaf
+
+def reduced(strategy, tensorflows, reduce_op, leaf):
+    """One leaf of `reduce(..., axis=None)`: TensorFlow's reduction where the replicas'
+    values have one shape, their concatenation where not."""
+    if not isinstance(leaf, tf.distribute.DistributedValues) or not rank(strategy, leaf):
+        return tensorflows(reduce_op, leaf, None)
+    pieces = strategy.experimental_local_results(leaf)
+    shapes = [getattr(piece, "shape", None) for piece in pieces]
+    if any(shape is None or shape.rank != shapes[0].rank for shape in shapes):
+        return tensorflows(reduce_op, leaf, None)
+    if all(shape.is_fully_defined() for shape in shapes):
+        if len({tuple(shape) for shape in shapes}) == 1:
+            return tensorflows(reduce_op, leaf, None)
+        return _concat(pieces)
+    if not all(isinstance(piece, tf.Tensor) for piece in pieces):
+        return tensorflows(reduce_op, leaf, None)
+    first = tf.shape(pieces[0])
+    same = tf.reduce_all([tf.reduce_all(tf.equal(tf.shape(p), first)) for p in pieces[1:]])
+    return tf.cond(same, lambda: tensorflows(reduce_op, leaf, None), lambda: _concat(pieces))
+
+
+def rank(strategy, value):
+    """The rank of `value` (of its first replica's, for a distributed value); None: unknown."""
+    first = strategy.experimental_local_results(value)[0] if isinstance(
+        value, tf.distribute.DistributedValues) else value
+    shape = getattr(first, "shape", None)
+    return None if shape is None else shape.rank
+
+
+def _concat(pieces):
+    pieces = list(pieces)
+    if isinstance(pieces[0], tf.SparseTensor):
+        return tf.sparse.concat(0, pieces)
+    return tf.concat(pieces, 0)
+
+def by_share(dataset, weights, first, local):
+    """Replicas first..first+local-1's pieces of each batch of `dataset`, in turn, cut by
+    `weights` (a variable: batches cut after it changes take the new weights)."""
+    structure = dataset.element_spec
+
+    def pieces(*element):
+        batch = element if isinstance(structure, tuple) else element[0]
+        leaves = tf.nest.flatten(batch)
+        bounds = piece_bounds(rows_of(leaves), weights)
+
+        def piece(index):
+            start, stop = bounds[index], bounds[index + 1]
+            # the element's own structure (a list stays a list, a 1-tuple a 1-tuple)
+            return tf.nest.pack_sequence_as(
+                structure, [rows_between(leaf, start, stop) for leaf in leaves]
+            )
+
+        return tf.data.Dataset.range(first, first + local).map(piece)
+
+    return dataset.flat_map(pieces)
+
+
+def global_batches(dataset, replicas):
+    """`replicas` consecutive per-replica batches of `dataset` at a time, as one batch
+    (their rows in order): the global batch a dataset function's batches make."""
+    structure = dataset.element_spec
+
+    def concatenated(*window):
+        # a window is the element's structure of datasets (a tuple's parts as arguments)
+        batches = tf.data.Dataset.zip(window if isinstance(structure, tuple) else window[0])
+        return batches.unbatch().batch(2**62)
+
+    return dataset.window(replicas).flat_map(concatenated)
