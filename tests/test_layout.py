@@ -252,3 +252,47 @@ def test_a_private_read_elsewhere_is_found(tmp_path):
         "hooks.py": "def f(m):\n    return getattr(m, '_initial_epoch', None), getattr(m, '_tfdp_x', 0)\n",
     })  # fmt: skip
     assert private_reads(package) == ["pkg.hooks: _initial_epoch"]
+
+
+def private_accesses(root: pathlib.Path) -> list[str]:
+    """Ruff's private-member rule (SLF001) over the package at `root`: each access to
+    another object's `_member`, dotted reads included, `path:line: member`. A `noqa` for
+    it is kept in internals.py, or on tfdp's own `_tfdp_` marks (`noqa_elsewhere`)."""
+    import subprocess
+    import sys
+
+    ran = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--isolated", "--select", "SLF001",
+         "--output-format", "concise", "--no-cache", str(root)],
+        capture_output=True, text=True, check=False,
+    )
+    assert ran.returncode in (0, 1), ran.stderr  # 1: found some
+    return [line for line in ran.stdout.splitlines() if "SLF001" in line]
+
+
+def noqa_elsewhere(root: pathlib.Path) -> list[str]:
+    """Lines outside internals.py that silence the private-member rule on something other
+    than tfdp's own `_tfdp_` marks."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "internals.py" and path.parent == root:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if "noqa: SLF001" in line and "._tfdp_" not in line:
+                found.append(f"{path.relative_to(root)}:{number}")
+    return found
+
+
+def test_private_members_are_touched_in_internals_only():
+    assert private_accesses(PACKAGE) == []
+    assert noqa_elsewhere(PACKAGE) == []
+
+
+def test_a_private_access_elsewhere_is_found(tmp_path):
+    package = a_package(tmp_path, {
+        "internals.py": "def f(m):\n    return m._compile_loss  # noqa: SLF001\n",
+        "hooks.py": "def f(m):\n    return m.optimizer._iterations\n",
+        "marks.py": "def f(d):\n    d._history = 1  # noqa: SLF001\n    d._tfdp_x = 1  # noqa: SLF001\n",
+    })  # fmt: skip
+    assert [line.split(":")[0].rsplit("/", 1)[-1] for line in private_accesses(package)] == ["hooks.py"]
+    assert noqa_elsewhere(package) == ["marks.py:2"]

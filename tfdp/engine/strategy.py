@@ -12,8 +12,8 @@ and `predict` and TensorFlow's own custom loops (`experimental_distribute_datase
 
 1. **The cut.** With even shares (`powers=None`) on one machine, TensorFlow's own. Else
    `experimental_distribute_dataset` cuts each global batch of n rows into one
-   consecutive piece per replica, of round(n * cumulative share) rows, so replica i
-   holds rows [b_i, b_i+1) of every batch (a short batch, or a batch whose shape changes
+   consecutive piece per replica by engine/pieces.py's rule (the one `tfdp.fit` cuts
+   by), so replica i holds rows [b_i, b_i+1) of every batch (a short batch, or a batch whose shape changes
    from step to step, is cut by share too; a piece may be empty).
 2. **The weight.** `run` measures each replica's rows n_i and the batch's N (one scalar
    all-reduce) and runs the replica's step with its losses weighed n_i/N where Keras weighs
