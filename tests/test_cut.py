@@ -1,7 +1,9 @@
-"""One cut for every door: `tfdp.fit` and the command (the trainer's host cut) and plain
-`model.fit` under `tfdp.MirroredStrategy` (its distributed dataset) give each replica the
-same rows of every batch, short batches included (engine/pieces.py)."""
+"""One cut and one balancing for every door: `tfdp.fit` and the command (the trainer's
+host cut, its Rebalance hook) and plain `model.fit` under `tfdp.MirroredStrategy` (its
+distributed dataset, its in-step balancing) give each replica the same rows of every
+batch, short batches included (engine/pieces.py), and move the shares alike."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -86,3 +88,56 @@ def test_both_doors_cut_every_batch_alike(powers, batch):
     assert models[0] == split_batch(batch, powers)  # a full batch: the host's split
     for ours, theirs in zip(first, strategys_first):
         np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+
+
+# A device model for the balancing test: replica 1 is 4x slower per example than replica 0,
+# and replica 0 has a fixed cost per step (seconds per step = overhead + examples x cost),
+# the same in both doors whatever the machine does.
+OVERHEAD, COST = (3e-3, 0.0), (1e-4, 4e-4)
+
+
+def modelled_seconds(monkeypatch):
+    """Every `balance.Rebalancing` reads the modelled seconds of its split's shards, not the
+    clock's: the balancing's decisions then depend on the door's wiring only."""
+    from tfdp.balance.rebalancing import Rebalancing
+
+    measured = Rebalancing.observe
+
+    def observe(self, iteration, device_seconds):
+        shards = self.probes.split.shards
+        return measured(self, iteration, [o + s * c for o, s, c in zip(OVERHEAD, shards, COST)])
+
+    monkeypatch.setattr(Rebalancing, "observe", observe)
+
+
+def small_model():
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    return model
+
+
+def test_both_doors_rebalance_alike(monkeypatch):
+    """powers [1, 1], rebalance_every=4, replica 1 4x slower: the same re-splits, in the same
+    order, through `tfdp.fit` and through plain `model.fit` under the strategy (the
+    strategy's may come a step or two later: a dataset is cut a batch or two ahead)."""
+    modelled_seconds(monkeypatch)
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(64 * 40, 8)).astype(np.float32), rng.normal(size=(64 * 40, 1)).astype(np.float32)
+
+    history = tfdp.fit(small_model(), x, y, batch_size=64, epochs=1, shuffle=False, verbose=0,
+                       mode="weighted", devices="cpu:0,cpu:1", powers=(1, 1), rebalance_every=4)
+    trainers = [(r["old"], r["new"]) for r in history.result["rebalances"]]
+
+    strategy = tfdp.MirroredStrategy(CPUS[:2], powers=[1, 1], rebalance_every=4)
+    with strategy.scope():
+        model = small_model()
+    model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    models = [(r["old"], r["new"]) for r in strategy.balancing.resplits]
+
+    assert len(trainers) >= 2, trainers  # it moved, and more than once
+    assert trainers[0][0] == [32, 32] and trainers[0][1][0] > 40  # work off the slow replica
+    shortest = min(len(trainers), len(models))
+    assert shortest >= 2 and models[:shortest] == trainers[:shortest], (trainers, models)
+    assert strategy.shares == [s / 64 for s in models[-1][1]]

@@ -2,12 +2,13 @@
 that balances the shares (`powers="auto"`) or reports the replicas' seconds to a driver.
 
 `StepClock` times one replica's step on the step's own ops (engine/clock.py reads the
-host clock without ordering the replicas); `account` turns a measurement window's rows
-and seconds into new shares, in the step's graph.
+host clock without ordering the replicas); `Balancing` turns the steps' rows and
+seconds into new shares by balance/'s rule, the one `tfdp.fit` balances by.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from tfdp import internals
@@ -23,18 +24,87 @@ def variable(value, dtype, name):
 
 
 class Books:
-    """The variables a step reads and writes: the shares, and the timing behind "auto"."""
+    """The variables a step reads and writes: the shares, the simulated slowdown's
+    calibration, and the last timed step's seconds."""
 
     def __init__(self, powers):
         make, count = variable, len(powers)
         self.shares = make(shares_of(powers), tf.float64, "tfdp_shares")
-        self.timed_steps = make(0, tf.int64, "tfdp_timed_steps")
-        self.window_rows = make([0.0] * count, tf.float64, "tfdp_window_rows")
-        self.window_seconds = make([0.0] * count, tf.float64, "tfdp_window_seconds")
-        self.measured = make([0.0] * count, tf.float64, "tfdp_measured")
         self.slowdown_calls = make([0] * count, tf.int64, "tfdp_slowdown_calls")
         self.slowdown_per_example = make([0.0] * count, tf.float64, "tfdp_slowdown")
         self.last_seconds = make([0.0] * count, tf.float64, "tfdp_last_seconds")
+
+
+class Balancing:
+    """The shares balanced by the rule `tfdp.fit` balances by (`balance.Rebalancing`:
+    damped moves toward the fastest expected step, beyond the measured noise only), fed
+    each timed step's rows and seconds per replica by a host call at the step's end
+    (`observe`), so it runs in any loop: Keras' fit, a custom loop, `steps_per_execution`.
+
+    powers="auto": the shares start even and settle under load in the first steps, in
+    `balance.PROBE_WINDOWS` windows of `measure_steps` steps, as `tfdp.fit`'s auto powers
+    settle after their measurement alone; with `rebalance_every` K the rebalancing carries
+    on from there in windows of K steps. Given powers with `rebalance_every`: rebalancing
+    from the given split, in windows of 1, 1, 2, 4, ... up to K steps, as `tfdp.fit`'s.
+    A step is left out where it cannot tell the split's speed: the first (it sets up
+    kernels), one of another batch size than the first's (a short last batch), and one
+    cut before the last re-split reached the data (a dataset cuts a few batches ahead).
+    """
+
+    def __init__(self, strategy, log=None):
+        self.strategy = strategy
+        self.devices = list(range(strategy.num_replicas_in_sync))  # every worker's replicas
+        self.log = log or strategy.balance_log.append
+        self.split = None  # balance's view: whole examples of the first batch's size
+        self.steps = 0  # timed steps seen
+        self.settling = None  # powers="auto": the first windows, under load
+        self.rebalancing = None  # rebalance_every: the windows after
+
+    @property
+    def resplits(self) -> list[dict]:
+        """Every re-split so far (`balance.Rebalancing.resplits`)."""
+        return [*getattr(self.settling, "resplits", []), *getattr(self.rebalancing, "resplits", [])]
+
+    def speeds(self) -> list[float]:
+        """Examples per second of each replica over the last window (zeros before one)."""
+        active = self.rebalancing or self.settling
+        seconds = None if active is None else active.seconds()
+        if not seconds:
+            return [0.0] * len(self.devices)
+        return [shard / t for shard, t in zip(self.split.shards, seconds)]
+
+    def observe(self, rows, seconds):
+        """One timed step's rows and seconds per replica (numpy, from the step); returns
+        the shares the batches cut from now on take."""
+        from tfdp import balance
+        from tfdp.engine.split import Split
+
+        strategy, self.steps = self.strategy, self.steps + 1
+        shares = np.asarray(strategy.books.shares.numpy(), np.float64)
+        rows = [int(round(r)) for r in rows]
+        if self.split is None:  # the first batch's size is the global batch balance splits
+            self.split = Split(self.devices, balance.whole_shares(sum(rows), list(shares)))
+            if strategy.auto:
+                every = strategy.measure_steps
+                self.settling = balance.Rebalancing(
+                    self, every, self.log, first_window=every, unit="step")
+            elif strategy.rebalance_every:
+                self.rebalancing = balance.Rebalancing(self, strategy.rebalance_every, self.log,
+                                                       unit="step")
+        if self.steps == 1 or rows != self.split.shards:
+            return shares
+        if self.settling is not None and self.rebalancing is None:
+            self.settling.observe(self.steps, [float(t) for t in seconds])
+            if self.settling.windows >= balance.PROBE_WINDOWS:
+                if strategy.rebalance_every:
+                    self.rebalancing = balance.Rebalancing(
+                        self, strategy.rebalance_every, self.log, unit="step")
+                    self.rebalancing.carry_over(self.settling)
+                else:
+                    self.settling.every = 0  # settled: the shares hold
+        elif self.rebalancing is not None:
+            self.rebalancing.observe(self.steps, [float(t) for t in seconds])
+        return np.asarray(self.split.shards, np.float64) / self.split.global_batch_size
 
 
 class StepClock:
@@ -79,7 +149,7 @@ class StepClock:
 
     def record(self, all_reduce):
         strategy = self.strategy
-        if self.end is None or not (strategy.auto or strategy.reports_seconds):
+        if self.end is None or not (strategy.balancing is not None or strategy.reports_seconds):
             return  # (no gradients: an evaluation step)
         count = self.strategy.num_replicas_in_sync
         mine = tf.one_hot(self.replica, count, dtype=tf.float64)
@@ -89,9 +159,12 @@ class StepClock:
             tf.concat([mine * tf.cast(self.rows, tf.float64), mine * seconds], 0),
         )
         if self.replica % strategy.local_replicas == 0:  # one replica per worker keeps the books
-            if strategy.auto:
-                account(strategy.books, both[:count], both[count:], strategy.measure_steps,
-                        strategy.rebalance_every)
+            if strategy.balancing is not None:  # the shares from the balancing, on the host
+                shares = tf.numpy_function(
+                    strategy.balancing.observe, [both[:count], both[count:]], tf.float64,
+                    stateful=True,
+                )
+                strategy.books.shares.assign(tf.reshape(shares, [count]))
             strategy.books.last_seconds.assign(both[count:])
 
 
@@ -107,25 +180,6 @@ def slow_down(books, replica, factor, start, end, rows):
     )[replica]
     sleep = tf.where(fixed > 0, fixed * tf.cast(rows, tf.float64), seconds) * (factor - 1.0)
     return sleep_then_read(end, sleep)
-
-
-def account(books, rows, seconds, first, every):
-    """One timed step's rows and seconds per replica, into the measurement window;
-    at the window's end the shares become the measured speeds (in the step's graph)."""
-    step = books.timed_steps.assign_add(1)
-    counting = step > 1  # the first step sets up kernels
-    window_rows = books.window_rows.assign_add(tf.where(counting, rows, 0.0))
-    window_seconds = books.window_seconds.assign_add(tf.where(counting, seconds, 0.0))
-    due = tf.equal(step, first + 1)
-    if every:
-        later = tf.logical_and(step > first + 1, tf.equal((step - first - 1) % every, 0))
-        due = tf.logical_or(due, later)
-    speeds = tf.math.divide_no_nan(window_rows, window_seconds)
-    valid = tf.logical_and(due, tf.reduce_all(speeds > 0))
-    books.measured.assign(tf.where(valid, speeds, books.measured))
-    books.shares.assign(tf.where(valid, speeds / tf.reduce_sum(speeds), books.shares))
-    books.window_rows.assign(tf.where(due, tf.zeros_like(rows), window_rows))
-    books.window_seconds.assign(tf.where(due, tf.zeros_like(seconds), window_seconds))
 
 
 def _after(leaf, clock):

@@ -184,10 +184,11 @@ class MultiWorkerTrainer(Trainer):
             self.exchange.saw_step(outputs.pop("signals"))
         return outputs
 
-    def _step(self, batch):
+    def _update(self, batch):
         # `batch`: a global batch, or its example indices (arrays)
-        outputs = super()._step(batch)
-        return {**outputs, "signals": self.strategy.received}
+        outputs = {**super()._update(batch), "signals": self.strategy.received}
+        self._outputs_like = outputs
+        return outputs
 
     def _seconds(self):
         """Each worker's seconds (the mean over its local replicas)."""
@@ -202,7 +203,7 @@ class MultiWorkerTrainer(Trainer):
             pieces = self._pieces(batch)
         finally:
             self._gather = saved
-        return self._replicas_test(pieces)
+        return self._test_pieces(pieces)
 
     def _pieces(self, batch):
         """This worker's slice of the whole global `batch` by the split of this step

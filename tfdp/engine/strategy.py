@@ -61,7 +61,17 @@ def next_collective_key_base() -> int:
 
 class UnevenShares:
     """What tfdp's strategies add to TensorFlow's: the cut, the weight, the logs, the
-    moving statistics, and the shares themselves (given, or measured)."""
+    moving statistics, and the shares themselves (given, or measured).
+
+    What a driver (tfdp's trainer, the cluster's exchange) uses of a strategy beyond
+    `tf.distribute.Strategy`'s public API, and nothing else (tests/test_layout.py):
+      the shares: `shares`, `set_powers`, `measured_speeds`, `local_replicas`;
+      the timing: `report_seconds`, `last_seconds`, `sleep_per_example`,
+        `set_sleep_per_example`;
+      the cluster: `send_along`, `received`, `run_unweighed`;
+      how it runs: `compiles_with_xla`, `batch_statistics`, `reduce_to`, `notes`,
+        `warn_notes`.
+    """
 
     weighs_pieces = True  # what engine/patches.py asks of a model's strategy
 
@@ -83,6 +93,11 @@ class UnevenShares:
         self.measure_steps = books_lib.checked_steps("measure_steps", measure_steps)
         self.slowdown = books_lib.checked_slowdown(simulate_slowdown, count)
         self._books = None  # the variables of the shares and the timing, made on first use
+        self.balance_log = []  # what the balancing said (one line per re-split)
+        # the shares balanced by balance/'s rule (powers="auto", or rebalance_every)
+        self.balancing = (
+            books_lib.Balancing(self) if self.auto or self.rebalance_every else None
+        )
         self.reports_seconds = False
         self._sent = self._received = None
         self.notes = []  # how it ran a model's own step, where not as Keras would (one line each)
@@ -114,11 +129,11 @@ class UnevenShares:
 
     @property
     def measured_speeds(self) -> list[float]:
-        """Examples per second of each replica's step in the last measurement (powers="auto";
-        zeros before the first)."""
-        if self._books is None:
+        """Examples per second of each replica's step over the balancing's last window
+        (powers="auto" or rebalance_every; zeros before the first)."""
+        if self.balancing is None:
             return [0.0] * self.num_replicas_in_sync
-        return [float(s) for s in self._books.measured.numpy()]
+        return self.balancing.speeds()
 
     def set_powers(self, powers) -> None:
         """New relative speeds; batches cut from now on take the new shares (a few batches
@@ -303,7 +318,7 @@ class UnevenShares:
 
         model = shards.trainer_of(fn)
         fn = internals.autograph_convert(fn)
-        timed = self.auto or bool(self.slowdown) or self.reports_seconds
+        timed = self.balancing is not None or bool(self.slowdown) or self.reports_seconds
         if timed:
             self.books  # noqa: B018 (made here, outside the replicas' threads)
         batch = pieces.batch_positions((args, kwargs), every=self.local_replicas == 1)
@@ -389,10 +404,11 @@ class MirroredStrategy(UnevenShares, tf.distribute.MirroredStrategy):
       reduce: "allreduce" (TensorFlow's choice of all-reduce) or "device0" (the MXNet
         tutorial's: the gradients summed on device 0 and sent back from there).
       cross_device_ops: as TensorFlow's (with reduce="allreduce" only).
-      rebalance_every: with powers="auto", measure again over every K steps and take the
-        measured shares (None: once, over the first `measure_steps` steps).
-      measure_steps: with powers="auto", the steps of the first measurement (the step that
-        starts a run is left out: it sets up kernels).
+      rebalance_every: rebalance the shares in windows of up to K steps, by the rule
+        `tfdp.fit` rebalances by (None: with powers="auto", the shares hold once settled).
+      measure_steps: with powers="auto", the steps of each of the first windows, in which
+        the shares settle under load (the step that starts a run is left out: it sets up
+        kernels).
       simulate_slowdown: {replica index: factor}, to try the balancing without unequal
         devices: before its gradients leave, that replica sleeps (factor - 1) times its
         seconds per example (as measured in its second step) for every example it holds; a
@@ -403,11 +419,12 @@ class MirroredStrategy(UnevenShares, tf.distribute.MirroredStrategy):
         piece's own, as TensorFlow's MirroredStrategy (the moving statistics then move by
         the pieces' statistics combined by share).
 
-    With powers="auto" the shares start even and are measured on the model's own step, in
-    the step itself: each replica's seconds from the moment every replica holds its piece
-    to the moment its gradients are ready, over its rows. The shares become those speeds,
-    which moves the replicas toward equal finishing times; the batches cut after a change
-    take them, and every step stays exact whatever its pieces hold.
+    With powers="auto" (or rebalance_every) each step is timed on the model's own step:
+    each replica's seconds from the moment every replica holds its piece to the moment its
+    gradients are ready. The shares move by balance/'s rule, the one `tfdp.fit` balances
+    by (`books.Balancing`): damped moves toward the fastest expected step, and only beyond
+    the measured noise; `balance_log` says each move. The batches cut after a change take
+    the new shares, and every step stays exact whatever its pieces hold.
     """
 
     def __init__(

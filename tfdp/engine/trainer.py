@@ -186,11 +186,13 @@ class Trainer:
             )
         # chains: the batch cut into pieces whose gradients are summed and applied once
         self._work = DeviceWork(model, chains, self.jit_compile, False) if chains > 1 else None
-        self._replicas_train, self._replicas_test = self._train_replicas, self._test_replicas
-        if self.jit_compile and not model.run_eagerly:  # each step one XLA program, as in Keras
+        self._replica_step = model.train_step if self._work is None else self._chained_step
+        self._replicas_train = self._replicas_test = None  # each step one XLA program, as in Keras
+        if self.jit_compile and not model.run_eagerly:
             if chains == 1:
                 self._replicas_train = tf.function(self._train_replicas, jit_compile=True, autograph=False)
             self._replicas_test = tf.function(self._test_replicas, jit_compile=True, autograph=False)
+        self._outputs_like = None  # a step's outputs, once traced (what a marker's step gives)
         self._compile()
 
     def notes(self) -> list[str]:
@@ -234,7 +236,7 @@ class Trainer:
             wrap = _eager
         else:
             wrap = lambda f: tf.function(f, autograph=False, reduce_retracing=True)  # noqa: E731
-        self._train_step = wrap(self._one_step)
+        self._train_step = wrap(self._step_on)
         self._train_steps = wrap(self._steps)
         self._test_step = wrap(self._test)
 
@@ -247,7 +249,7 @@ class Trainer:
         data had ended before the first."""
         try:
             if steps == 1:
-                return self._train_step(iterator)
+                return self._train_step(iterator=iterator)
             return self._train_steps(iterator, tf.constant(steps))
         except (tf.errors.OutOfRangeError, StopIteration):  # (StopIteration: run eagerly)
             return None
@@ -258,9 +260,23 @@ class Trainer:
         `model.reset_metrics()`."""
         return self._test_step(batch)
 
-    def _step(self, batch):
-        logs = self._replicas_train(self._pieces(batch))
-        return {"logs": logs, "device_seconds": self._seconds()}
+    def _update(self, batch):
+        """The model's train_step on every replica's piece of `batch` (its update): the
+        logs it returned (each holds the whole batch's: the strategy reads them so), each
+        device's seconds, and `steps` 1."""
+        pieces = self._pieces(batch)
+        if self._replicas_train is not None:  # XLA
+            logs = self._replicas_train(pieces)
+        elif self.strategy is None:
+            with tf.device(self._device):
+                logs = self._replica_step(pieces)
+        else:
+            per_replica = self.strategy.run(self._replica_step, args=(pieces,))
+            logs = tf.nest.map_structure(
+                lambda value: self.strategy.experimental_local_results(value)[0], per_replica
+            )
+        self._outputs_like = {"logs": logs, "device_seconds": self._seconds(), "steps": tf.constant(1)}
+        return self._outputs_like
 
     def _seconds(self):
         """Each device's seconds in the step just run (zeros where not timed)."""
@@ -269,8 +285,7 @@ class Trainer:
         return self.strategy.last_seconds
 
     def _train_replicas(self, pieces):
-        step = self.model.train_step if self._work is None else self._chained_step
-        return self.run(step, pieces)
+        return self.run(self._replica_step, pieces)
 
     def run(self, fn, pieces):
         """`fn` on every replica's piece, in the strategy; its values as a replica's (each
@@ -294,7 +309,12 @@ class Trainer:
         return with_metrics(self.model, logs)
 
     def _test(self, batch):
-        return self._replicas_test(self._pieces(batch))
+        return self._test_pieces(self._pieces(batch))
+
+    def _test_pieces(self, pieces):
+        if self._replicas_test is not None:  # XLA
+            return self._replicas_test(pieces)
+        return self._test_replicas(pieces)
 
     def _test_replicas(self, pieces):
         return self.run(self.model.test_step, pieces)
@@ -315,35 +335,28 @@ class Trainer:
             lambda context: pieces[context.replica_id_in_sync_group]
         )
 
-    def _one_step(self, iterator):
-        return self._step_on(next(iterator))
-
-    def _step_on(self, element):
-        """One step on an element of the stream: its outputs, with `steps` 1, or 0 for a
-        marker of a pass's end, which is not trained on."""
+    def _step_on(self, element=None, iterator=None):
+        """One step on an element of the stream (the next of `iterator`, given one): its
+        outputs, with `steps` 1, or 0 for a marker of a pass's end, which is not trained on."""
+        if iterator is not None:
+            element = next(iterator)
         if not self._marked:
-            return {**self._step(element), "steps": tf.constant(1)}
+            return self._update(element)
         batch, ended = element
         if tf.executing_eagerly():  # run_eagerly: the marker read, nothing to train
-            if bool(ended):
-                return {"steps": tf.constant(0)}
-            return {**self._step(batch), "steps": tf.constant(1)}
-        traced = {}
+            return {"steps": tf.constant(0)} if bool(ended) else self._update(batch)
+        # (tf.cond traces its true branch first: a marker's step is shaped like it)
+        return tf.cond(tf.logical_not(ended), functools.partial(self._update, batch), self._skipped)
 
-        def train():
-            traced.update(self._step(batch))
-            return {**traced, "steps": tf.constant(1)}
-
-        def skip():  # traced after `train` (tf.cond traces its true branch first)
-            return {**tf.nest.map_structure(tf.zeros_like, traced), "steps": tf.constant(0)}
-
-        return tf.cond(tf.logical_not(ended), train, skip)
+    def _skipped(self):
+        """A marker's outputs: zeros shaped like a step's, `steps` 0."""
+        return {**tf.nest.map_structure(tf.zeros_like, self._outputs_like), "steps": tf.constant(0)}
 
     def _steps(self, iterator, steps):
         """Up to `steps` steps, as Keras runs `steps_per_execution`: each next batch read
         only while another step is due, and none read past the data's end (or its pass's
         end, in a marked stream)."""
-        outputs = self._step_on(next(iterator))
+        outputs = self._step_on(iterator=iterator)
         if self.model.run_eagerly:
             done = int(outputs["steps"])
             while done and done < int(steps):
