@@ -82,7 +82,7 @@ def test_weighted_runs_each_shard_on_its_device(images):
         copies = trainer.strategy.experimental_local_results(weight.value)
         assert [c.device.split("/")[-1] for c in copies] == [d.split("/")[-1] for d in CPUS]
     iterator = trainer.distribute(train_dataset(images, BATCH, SEED))
-    graph = trainer._train_step.get_concrete_function(iterator).graph
+    graph = trainer._train_step.get_concrete_function(iterator=iterator).graph
     convolutions = [op.device.split("/")[-1] for op in graph.get_operations() if op.type == "Conv2D"]
     assert sorted(set(convolutions)) == [d.split("/")[-1] for d in CPUS]
     assert len(convolutions) == 2 * len(CPUS)  # LeNet's two, on each device's shard
@@ -145,7 +145,7 @@ def test_a_split_must_split_the_global_batch():
 def host_callbacks(trainer, images):
     """The ops of the traced step that call back into Python on the host."""
     iterator = trainer.distribute(train_dataset(images, BATCH, SEED))
-    graph = trainer._train_step.get_concrete_function(iterator).graph
+    graph = trainer._train_step.get_concrete_function(iterator=iterator).graph
     return [op.type for op in graph.get_operations() if "PyFunc" in op.type]
 
 

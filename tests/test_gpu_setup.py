@@ -161,7 +161,7 @@ def test_the_gradients_are_summed_on_device_0_and_each_device_trains_its_shard()
     batch = (tf.zeros((6, 128)), tf.zeros((6,), tf.int32))
     iterator = trainer.distribute(tf.data.Dataset.from_tensors(batch).repeat())
     trainer.train_step(iterator)
-    graph = trainer._train_step.get_concrete_function(iterator).graph
+    graph = trainer._train_step.get_concrete_function(iterator=iterator).graph
 
     def devices_of(kind):
         return {op.device.split("/")[-1] for op in graph.get_operations() if op.type == kind}
