@@ -9,7 +9,7 @@ import statistics
 from collections.abc import Callable, Sequence
 
 from tfdp.balance import Rebalancing, settle_under_load
-from tfdp.balance.split import powers_from_seconds
+from tfdp.balance.arithmetic import powers_from_seconds
 from tfdp.devices import split_batch
 
 

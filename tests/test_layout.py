@@ -296,3 +296,53 @@ def test_a_private_access_elsewhere_is_found(tmp_path):
     })  # fmt: skip
     assert [line.split(":")[0].rsplit("/", 1)[-1] for line in private_accesses(package)] == ["hooks.py"]
     assert noqa_elsewhere(package) == ["marks.py:2"]
+
+
+# What the rest of tfdp may use of a strategy beyond tf.distribute's public API
+# (engine/strategy.py's `UnevenShares` docstring).
+STRATEGY_CONTRACT = {
+    "shares", "set_powers", "measured_speeds", "local_replicas",  # the shares
+    "report_seconds", "last_seconds", "sleep_per_example", "set_sleep_per_example",  # timing
+    "send_along", "received", "run_unweighed",  # the cluster
+    "compiles_with_xla", "batch_statistics", "reduce_to", "notes", "warn_notes",  # how it runs
+}
+# the strategy's own modules, which may use any of its members
+STRATEGYS_OWN = {"strategy", "cluster_strategy", "books", "pieces", "replica", "patches", "whole_batch"}
+
+
+def strategy_uses(root: pathlib.Path) -> dict[str, set[str]]:
+    """Each module but the strategy's own and internals.py -> the attributes it reads of a
+    strategy (a name, or an attribute, called `strategy`)."""
+    uses = {}
+    for path in sorted(root.rglob("*.py")):
+        name = module_name(path, root)
+        if path.parent.name == "engine" and path.stem in STRATEGYS_OWN or path.stem == "internals":
+            continue  # (internals.py reaches TensorFlow's private members, and only it)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and (
+                (isinstance(node.value, ast.Name) and node.value.id == "strategy")
+                or (isinstance(node.value, ast.Attribute) and node.value.attr == "strategy")
+            ):
+                uses.setdefault(name, set()).add(node.attr)
+    return uses
+
+
+def beyond_the_strategy_contract(uses: dict[str, set[str]]) -> dict[str, list[str]]:
+    import tensorflow as tf
+
+    public = {name for name in dir(tf.distribute.Strategy) if not name.startswith("_")}
+    beyond = {module: sorted(used - public - STRATEGY_CONTRACT) for module, used in uses.items()}
+    return {module: used for module, used in beyond.items() if used}
+
+
+def test_the_rest_of_tfdp_uses_a_strategy_through_tensorflows_api_and_its_contract_only():
+    uses = strategy_uses(PACKAGE)
+    assert {"tfdp.engine.trainer", "tfdp.engine.multiworker"} <= set(uses)  # the uses are read
+    assert beyond_the_strategy_contract(uses) == {}
+
+
+def test_a_use_beyond_the_strategy_contract_is_found(tmp_path):
+    package = a_package(tmp_path, {
+        "a.py": "def f(self, strategy):\n    self.strategy.books\n    strategy.run\n    strategy.last_seconds\n",
+    })  # fmt: skip
+    assert beyond_the_strategy_contract(strategy_uses(package)) == {"pkg.a": ["books"]}

@@ -36,7 +36,7 @@ Pure Python (a trainer is used through its probes, tensors read with
 float()): the training loop, tfdp-bench and the tests' cost model
 (tests/cost_model.py) run the same code.
 
-    split.py        the arithmetic of a split: shares, time lines, the target
+    arithmetic.py   the arithmetic of a split: shares, time lines, the target
     rebalancing.py  what measures devices and re-splits during a run
 """
 
@@ -47,7 +47,7 @@ from tfdp.balance.rebalancing import (  # noqa: F401
     seconds_alone,
     settle_under_load,
 )
-from tfdp.balance.split import (  # noqa: F401
+from tfdp.balance.arithmetic import (  # noqa: F401
     DAMPING,
     FIT_ERROR,
     FIT_SPLITS,

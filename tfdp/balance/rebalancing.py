@@ -1,7 +1,7 @@
 """What measures the devices and re-splits the batch during a run.
 
 A trainer is used through its probes (`trainer.Probes`: `alone`, `together`,
-`set_delays`, and the split they time, `probes.split`); the arithmetic is split.py's.
+`set_delays`, and the split they time, `probes.split`); the arithmetic is arithmetic.py's.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 
-from tfdp.balance.split import (
+from tfdp.balance.arithmetic import (
     FIT_SPLITS,
     MIN_SCATTER,
     PROBE_WINDOW,
