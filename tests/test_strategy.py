@@ -250,7 +250,7 @@ def test_without_the_weighing_uneven_shares_would_not_be_one_device(monkeypatch)
 
 def tensorflows_strategy():
     """TensorFlow's MirroredStrategy, on collective keys of its own."""
-    from tfdp.engine.strategy import next_collective_key_base
+    from tfdp.internals import next_collective_key_base
 
     before = tf.distribute.MirroredStrategy._collective_key_base  # noqa: SLF001
     tf.distribute.MirroredStrategy._collective_key_base = next_collective_key_base()  # noqa: SLF001

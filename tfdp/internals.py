@@ -440,6 +440,20 @@ def replace(name: str, replacement):
     return original
 
 
+_KEY_BASES = [0]
+
+
+def next_collective_key_base() -> int:
+    """A range of collective keys of its own for each strategy made in this process.
+
+    Every MirroredStrategy numbers its collective groups from the same start, so two
+    strategies in one process collide ("Shape mismatch in the collective instance 100",
+    or "joining a group with size 4, but that group has size 2"), after which every
+    collective of the process is aborted (`set_collective_key_base`)."""
+    _KEY_BASES[0] += 1
+    return 100_000 * _KEY_BASES[0]
+
+
 def set_collective_key_base(strategy, base: int) -> None:
     """Where a MirroredStrategy (an instance before its `__init__`, or the class) numbers
     its collective groups from: TensorFlow reads `_collective_key_base` when it builds the

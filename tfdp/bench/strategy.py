@@ -67,11 +67,11 @@ def strategy_for(row: str):
 
     import tfdp
     from tfdp import internals
-    from tfdp.engine.strategy import next_collective_key_base
 
     devices = ["/cpu:0", "/cpu:1"]
     if row == "tf mirrored x2":
-        internals.set_collective_key_base(tf.distribute.MirroredStrategy, next_collective_key_base())
+        internals.set_collective_key_base(
+            tf.distribute.MirroredStrategy, internals.next_collective_key_base())
         return tf.distribute.MirroredStrategy(devices)
     slow = {1: SLOWDOWN} if "slow" in row else None
     powers = "auto" if "auto" in row else None  # the 4:1 row takes its split after step 2

@@ -11,10 +11,9 @@ and `predict` and TensorFlow's own custom loops (`experimental_distribute_datase
 `strategy.run`, `strategy.reduce`) take it unchanged. What differs from TensorFlow's:
 
 1. **The cut.** With even shares (`powers=None`) on one machine, TensorFlow's own. Else
-   `experimental_distribute_dataset` cuts each global batch of n rows into one
-   consecutive piece per replica by engine/pieces.py's rule (the one `tfdp.fit` cuts
-   by), so replica i holds rows [b_i, b_i+1) of every batch (a short batch, or a batch whose shape changes
-   from step to step, is cut by share too; a piece may be empty).
+   `experimental_distribute_dataset` cuts each global batch into one consecutive piece
+   per replica by engine/pieces.py's rule, the one `tfdp.fit` cuts by (a short batch,
+   or one whose shape changes from step to step, too; a piece may be empty).
 2. **The weight.** `run` measures each replica's rows n_i and the batch's N (one scalar
    all-reduce) and runs the replica's step with its losses weighed n_i/N where Keras weighs
    them 1/R (`shards.piece`), `tf.nn.compute_average_loss` likewise. The gradients the
@@ -30,7 +29,6 @@ and `predict` and TensorFlow's own custom loops (`experimental_distribute_datase
 from __future__ import annotations
 
 import contextlib
-import itertools
 import warnings
 import weakref
 
@@ -44,19 +42,6 @@ from tfdp.engine import patches, pieces, replica, shards, whole_batch
 from tfdp.errors import ConfigError
 
 REDUCES = ("allreduce", "device0")
-_key_bases = itertools.count(1)
-
-
-def next_collective_key_base() -> int:
-    """A range of collective keys of its own for each strategy made in this process.
-
-    Every MirroredStrategy numbers its collective groups from the same start, so two
-    strategies in one process collide ("Shape mismatch in the collective instance 100",
-    or "joining a group with size 4, but that group has size 2"), after which every
-    collective of the process is aborted. TensorFlow reads the base from the strategy
-    (`_collective_key_base`) when it builds the strategy's collective ops.
-    """
-    return 100_000 * next(_key_bases)
 
 
 class UnevenShares:
@@ -448,7 +433,7 @@ class MirroredStrategy(UnevenShares, tf.distribute.MirroredStrategy):
                 )
             first = [d if isinstance(d, str) else d.name for d in devices][0] if devices else None
             cross_device_ops = tf.distribute.ReductionToOneDevice(reduce_to_device=first)
-        internals.set_collective_key_base(self, next_collective_key_base())
+        internals.set_collective_key_base(self, internals.next_collective_key_base())
         super().__init__(devices, cross_device_ops=cross_device_ops)
         self.reduce_to = reduce
         self._set_up_shares(powers, rebalance_every, measure_steps, simulate_slowdown,
