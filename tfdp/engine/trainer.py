@@ -324,8 +324,8 @@ class Trainer:
         if self._input != "split":
             return batch  # the strategy's iterator cut it
         examples = num_examples(batch)  # the global batch, or an epoch's partial last one
-        if len(self.split.devices) == 1:  # one device takes it whole
-            return self.cut(batch, tf.reshape(examples, [1]))
+        # (by the rule on one device too: its sizes, unknown to the trace, keep the batch
+        # size unknown to Keras' step, as in Keras' fit, whose loss trackers weigh by it)
         return self.cut(batch, piece_sizes(examples, self.split.sizes))
 
     def cut(self, batch, sizes):
