@@ -141,3 +141,24 @@ def test_both_doors_rebalance_alike(monkeypatch):
     shortest = min(len(trainers), len(models))
     assert shortest >= 2 and models[:shortest] == trainers[:shortest], (trainers, models)
     assert strategy.shares == [s / 64 for s in models[-1][1]]
+
+
+def test_powers_set_by_hand_are_balanced_on(monkeypatch):
+    """`set_powers` under rebalance_every: the balancing starts again from the new split
+    and moves work off the slow replica again (it held a split of the old shares, and
+    would wait for it forever)."""
+    modelled_seconds(monkeypatch)
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(64 * 30, 8)).astype(np.float32), rng.normal(size=(64 * 30, 1)).astype(np.float32)
+    strategy = tfdp.MirroredStrategy(CPUS[:2], powers=[1, 1], rebalance_every=4)
+    with strategy.scope():
+        model = small_model()
+    model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    assert strategy.shares[0] > 0.6, strategy.shares  # moved off the slow replica
+
+    strategy.set_powers([1, 1])
+    assert strategy.shares == [0.5, 0.5]
+    model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    moves = [(r["old"], r["new"]) for r in strategy.balancing.resplits]
+    assert moves and moves[0][0] == [32, 32], moves  # from the split set by hand
+    assert strategy.shares[0] > 0.6, strategy.shares  # and off the slow replica again

@@ -160,9 +160,11 @@ class StepClock:
         )
         if self.replica % strategy.local_replicas == 0:  # one replica per worker keeps the books
             if strategy.balancing is not None:  # the shares from the balancing, on the host
+                def observe(rows, seconds):  # the balancing of the call (`set_powers` starts anew)
+                    return strategy.balancing.observe(rows, seconds)
+
                 shares = tf.numpy_function(
-                    strategy.balancing.observe, [both[:count], both[count:]], tf.float64,
-                    stateful=True,
+                    observe, [both[:count], both[count:]], tf.float64, stateful=True
                 )
                 strategy.books.shares.assign(tf.reshape(shares, [count]))
             strategy.books.last_seconds.assign(both[count:])

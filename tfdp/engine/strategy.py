@@ -122,11 +122,14 @@ class UnevenShares:
 
     def set_powers(self, powers) -> None:
         """New relative speeds; batches cut from now on take the new shares (a few batches
-        may already be cut, and are weighed by the rows they hold, so the update stays exact)."""
+        may already be cut, and are weighed by the rows they hold, so the update stays exact).
+        With powers="auto" or `rebalance_every`, the balancing starts again from them."""
         self.powers = books_lib.checked_powers(powers, self.num_replicas_in_sync)
         self.tensorflows_cut = False
         if self._books is not None:
             self._books.shares.assign(books_lib.shares_of(self.powers))
+        if self.balancing is not None:
+            self.balancing = books_lib.Balancing(self)
 
     def report_seconds(self, sleep_per_example=None) -> None:
         """Every step from now on times each replica (`last_seconds`), as a driver that
