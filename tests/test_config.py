@@ -13,7 +13,7 @@ def test_defaults_are_the_tutorial_lenet_run():
     assert (
         config.model,
         config.dataset,
-        with_batch_size(config, None).batch_size,  # MNIST arrays: no batches of their own
+        with_batch_size(config).batch_size,  # MNIST arrays: no batches of their own
         config.learning_rate,
         config.log_every,
         config.init,

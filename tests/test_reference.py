@@ -28,7 +28,7 @@ from tfdp.run.training import prepare, run
 SEED = 3
 LEARNING_RATE = 0.1  # the tutorial's, and Config's default
 LENET_EXAMPLES, LENET_TEST, LENET_BATCH = 512, 100, 64
-TOY_EXAMPLES, TOY_BATCH = 10000, 100  # the toy data set's size in a run (training.load_split)
+TOY_EXAMPLES, TOY_BATCH = 10000, 100  # the toy data set's size in a run (inputs.built_in)
 NON_SINGLE = {
     "weighted": {"mode": "weighted", "devices": "cpu:0,cpu:1", "powers": (1, 3)},
     "mirrored": {"mode": "mirrored", "devices": "cpu:0,cpu:1"},

@@ -837,9 +837,9 @@ def test_a_tensorflow_datasets_validation_split_is_streamed(mock_tfds, tmp_path)
     """tfds:NAME's test split is read batch by batch at each evaluation, never held."""
     from tfdp.config import Config
     from tfdp.data.streams import EvalStream
-    from tfdp.run.plan import load_data
+    from tfdp.data.inputs import of_dataset
 
-    _, test = load_data(Config(dataset="tfds:mnist", data_dir=str(tmp_path / "tfds")))
+    test = of_dataset(Config(dataset="tfds:mnist", data_dir=str(tmp_path / "tfds"))).validation
     assert isinstance(test, EvalStream)
     assert isinstance(test.dataset, tf.data.Dataset)
     batches = list(test.batches(32, None))

@@ -14,11 +14,11 @@ from collections.abc import Callable
 
 from tfdp import internals
 from tfdp.config import Config
-from tfdp.data import streams
+from tfdp.data import inputs as data_inputs
 from tfdp.engine import placement
 from tfdp.errors import ConfigError, DoesNotFit
-
-KERAS_BATCH_SIZE = 32  # Keras fit's default
+from tfdp.run import training
+from tfdp.run.plan import prepare
 
 
 def fit(
@@ -91,27 +91,12 @@ def fit(
     epochs, steps_per_epoch = keras_caps(epochs, steps_per_epoch)
     if config is not None and settings:
         raise ConfigError("config", config, f"and settings {sorted(settings)} both given; give one")
-    x = streams.undistributed(x, "x")
-    validation_data = streams.undistributed(validation_data, "validation_data")
-    train, validation = fit_data(
+    inputs = data_inputs.of_fit(
         x, y, sample_weight, class_weight, validation_split, validation_data
     )
-    if streams.is_stream_input(train):  # read as a pipeline, batch by batch
-        given = config or Config(
-            **{name: settings[name] for name in ("drop_remainder", "seed") if name in settings}
-        )
-        train = streams.from_input(
-            train,
-            batch_size if config is None else config.batch_size,
-            drop_remainder=given.drop_remainder,
-            shuffle=shuffle if config is None else config.shuffle,
-            seed=given.seed,
-        )
-        batch_size = train.batch_size
     if config is None:
-        name = model_name(model)
         keras_settings = {
-            "batch_size": batch_size or default_batch_size(train, steps_per_epoch),
+            "batch_size": batch_size,  # None: Keras' default for the data (`Inputs.streams`)
             "epochs": None if "iterations" in settings else epochs,
             "initial_epoch": initial_epoch,
             "steps_per_epoch": steps_per_epoch,
@@ -120,41 +105,31 @@ def fit(
             "finite_guard": False,  # Keras trains on a non-finite loss (TerminateOnNaN stops)
         }
         try:
-            config = Config(
-                **{"model": f"fit:{name}", "dataset": "fit:data", **keras_settings, **settings}
-            )
+            named = {"model": f"fit:{model_name(model)}", "dataset": "fit:data"}
+            config = Config(**{**named, **keras_settings, **settings})
         except TypeError as error:  # an unknown keyword
             raise ConfigError("settings", sorted(settings), str(error)) from None
     with placement.outside_strategy_scopes():
-        return _fit(model, train, validation, config, log, verbose, callbacks,
-                    validation_batch_size, validation_steps, validation_freq)
+        try:
+            plan = prepare(config, model, inputs)
+        except DoesNotFit as error:  # Keras' own error, as model.fit raises it
+            raise error.keras_error from None
+        validation = None
+        if plan.test_data is not None:  # validated at the epochs' ends, as Keras does
+            validation = (plan.test_data, validation_batch_size or plan.config.batch_size,
+                          validation_steps, validation_freq)
+            plan = plan.without_test_data()
+        if log is None:
+            log = (lambda line: None) if verbose == 0 else print
+        result = training.run(plan, log, callbacks=callbacks, verbose=verbose,
+                              validation=validation)
+    return keras_history(result)
 
 
-def _fit(model, train, validation, config, log, verbose, callbacks, validation_batch_size,
-         validation_steps, validation_freq):
-    """`fit` once its settings are a Config."""
+def keras_history(result):
+    """Keras' History of a run (`model.history`), with tfdp's result as its `result`."""
     import keras
 
-    from tfdp.run import training
-
-    try:
-        plan = training.prepare(config, model=model, train_data=train, validation_data=validation)
-    except DoesNotFit as error:  # Keras' own error, as model.fit raises it
-        raise error.keras_error from None
-    run_validation = None
-    if plan.test_data is not None:
-        run_validation = (
-            plan.test_data,
-            validation_batch_size or config.batch_size,
-            validation_steps,
-            validation_freq,
-        )
-        plan = plan.without_test_data()  # validated at the epochs' ends, as Keras does
-    if log is None:
-        log = (lambda line: None) if verbose == 0 else print
-    result = training.run(
-        plan, log, callbacks=callbacks, verbose=verbose, validation=run_validation
-    )
     history = result.history
     if history is None:  # a finished run, run again: the History it saved
         history = keras.callbacks.History()
@@ -192,87 +167,3 @@ def model_name(model) -> str:
     shapes = ",".join("x".join(map(str, w.shape)) or "1" for w in model.weights)
     digest = hashlib.sha256(shapes.encode()).hexdigest()[:12]
     return f"{type(model).__name__}-{len(model.weights)}-weights-{digest}"
-
-
-def default_batch_size(train, steps_per_epoch) -> int:
-    """Keras' default: 32, or with `steps_per_epoch` the batch that covers the data in it."""
-    if steps_per_epoch is None:
-        return KERAS_BATCH_SIZE
-    from tfdp.data import arrays as data_lib
-
-    examples = data_lib.size(train)
-    return -(-examples // steps_per_epoch)
-
-
-def fit_data(x, y, sample_weight, class_weight, validation_split, validation_data):
-    """(train, validation) as tfdp holds them: nested arrays (or None), from Keras fit's
-    data arguments. The validation split and the class weights are Keras' own."""
-    import tensorflow as tf
-
-    from tfdp.data import sources
-
-    data_adapter_utils = internals.data_adapter_utils()
-
-    if streams.is_stream_input(x):
-        if y is not None or sample_weight is not None:
-            raise ConfigError(
-                "y",
-                type(y).__name__,
-                "must be None when x is a dataset: its elements hold the targets",
-            )
-        if validation_split:
-            raise ConfigError(
-                "validation_split", validation_split, "needs arrays; give validation_data instead"
-            )
-        if class_weight is not None and isinstance(x, tf.data.Dataset):
-            x = x.map(internals.class_weight_map_fn(class_weight))  # as Keras weighs a dataset
-        elif class_weight is not None:  # a PyDataset or a generator: each batch, as read
-            x = streams.with_class_weight(x, class_weight)
-        return x, validation_of(validation_data)
-    else:
-        if x is None:
-            raise ConfigError("x", None, "has no training data")
-        if y is None:
-            raise ConfigError(
-                "y",
-                None,
-                "has no targets: tfdp.fit(model, x, y) takes them as Keras fit does (a "
-                "tuple (x, y) as x is the inputs of a model with two inputs)",
-            )
-        if not 0 <= validation_split < 1:
-            raise ConfigError("validation_split", validation_split, "must be in [0, 1)")
-        validation = None
-        if validation_split and validation_data is None:
-            (x, y, sample_weight), validation = internals.train_validation_split(
-                (x, y, sample_weight), validation_split
-            )
-            validation_data = validation
-        train = (x, y) if sample_weight is None else (x, y, sample_weight)
-        train = sources.as_arrays(train, "x")
-    if class_weight is not None:
-        x_train, y_train, weights = data_adapter_utils.unpack_x_y_sample_weight(train)
-        if weights is not None:
-            raise ConfigError(
-                "class_weight", class_weight, "and sample_weight both given; Keras takes one"
-            )
-        weights = data_adapter_utils.class_weight_to_sample_weights(y_train, class_weight)
-        train = (x_train, y_train, weights)
-    return train, validation_of(validation_data)
-
-
-def validation_of(data):
-    """Keras fit's `validation_data` as tfdp reads it: a tuple (x, y) or (x, y,
-    sample_weight) of arrays held in memory; a tf.data pipeline, PyDataset or generator
-    streamed, batch by batch, at each validation (`streams.EvalStream`)."""
-    from tfdp.data import sources
-
-    data_adapter_utils = internals.data_adapter_utils()
-    if data is None:
-        return None
-    if streams.is_stream_input(data):
-        return streams.eval_stream(data)
-    val_x, val_y, val_weight = data_adapter_utils.unpack_x_y_sample_weight(
-        tuple(data) if isinstance(data, list) else data
-    )
-    data = (val_x, val_y) if val_weight is None else (val_x, val_y, val_weight)
-    return sources.as_arrays(data, "validation_data")

@@ -142,25 +142,15 @@ def timing_examples(train_data, count: int, log):
 
 def training_data(config, data) -> Agreed:
     """The training data, for `agree`, named by the setting that chose it."""
-    import tensorflow as tf
-
-    from tfdp.data import arrays as data_lib
-
     field, value = "dataset", config.dataset
     if config.dataset == "mnist" and (config.mnist_dir or config.data_dir):
         field = "mnist_dir" if config.mnist_dir else "data_dir"
         value = getattr(config, field)
-    if data.held is None:  # a pipeline: its source and first batch
-        text = f"a {data.source} of batches of {data.batch_size}, a sample's digest "
-        leaves = data.sample
-    else:  # arrays held in memory: all of them
-        held = data.held
-        leaves = [held.images, held.labels] if isinstance(held, data_lib.Arrays) else held
-        text = f"{data.examples} examples, digest "
+    text, leaves = data.identity()
     return Agreed(
         field,
         value,
-        text + arrays_digest(tf.nest.flatten(leaves)),
+        f"{text} digest {arrays_digest(leaves)}",
         differs="the training data differs between workers",
         needs="every worker must read the same data",
     )

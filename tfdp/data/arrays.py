@@ -220,6 +220,7 @@ def as_stream(arrays, batch_size, seed, drop_remainder=False, shuffle=True) -> S
     whose batches are `train_indices`' (a resumed run reads on from its step's batch,
     nothing read again) and whose examples the trainer gathers (`Stream.gather`)."""
     examples = size(arrays)
+    held = [arrays.images, arrays.labels] if isinstance(arrays, Arrays) else tf.nest.flatten(arrays)
 
     def starting_at(step: int):
         return train_indices(arrays, batch_size, seed, step, drop_remainder, shuffle)
@@ -233,7 +234,7 @@ def as_stream(arrays, batch_size, seed, drop_remainder=False, shuffle=True) -> S
         False,
         first_examples(arrays, min(batch_size, examples)),  # a model batch, on the host
         starting_at=starting_at,
-        held=arrays,
+        held=held,
         gather=gatherer(arrays),
     )
 

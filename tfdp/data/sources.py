@@ -1,4 +1,4 @@
-"""A user's model and data: MODULE:FUNCTION names, and data in the forms Keras `fit` takes.
+"""A user's model and data named on the command line: MODULE:FUNCTION, tfds:NAME.
 
 `--model=MODULE:FUNCTION` and `--dataset=MODULE:FUNCTION` name a function of
 no arguments in an importable module (`examples.mnist_cnn:make_model`) or in
@@ -63,61 +63,6 @@ def call(function, text: str, field: str):
         raise
     except Exception as error:  # the user's code
         raise ConfigError(field, text, f"raised {type(error).__name__}: {error}") from None
-
-
-def as_arrays(data, field: str, value=None, part: str | None = None):
-    """Training or validation data as tfdp holds it: a nested structure of numpy arrays
-    with one leading example axis (None stays None).
-
-    Takes what Keras `fit` takes: arrays or nested tuples, lists and dicts of
-    them (`(x, y)`, `(x, y, sample_weight)`, dict inputs), or an unbatched
-    `tf.data.Dataset` of such elements, which is read into memory once (tfdp
-    shuffles and cuts batches itself, so that every mode and a resumed run
-    read the same batches).
-    """
-    from tfdp.data import arrays as data_lib
-    from tfdp.data import leaves
-
-    if data is None or isinstance(data, data_lib.Arrays):
-        return data
-    where = f"{part} data" if part else None
-    import tensorflow as tf
-
-    if isinstance(data, tf.data.Dataset):
-        data = _read_dataset(data, field, value, where)
-    data = internals.lists_to_tuples(data)  # as Keras reads it: tf.data takes a list for a tensor
-    try:
-        arrays = tf.nest.map_structure(leaves.as_leaf, data)
-    except (TypeError, ValueError) as error:
-        raise ConfigError(field, value or type(data).__name__, f"is not arrays ({error})") from None
-    try:
-        data_lib.check_arrays(arrays, field)
-    except ConfigError as error:
-        if value is None:
-            raise
-        raise ConfigError(field, value, f"{where}: {error.reason}") from None
-    return arrays
-
-
-def _read_dataset(dataset, field, value, where):
-    import tensorflow as tf
-
-    cardinality = int(dataset.cardinality())
-    if cardinality == tf.data.INFINITE_CARDINALITY:
-        raise ConfigError(
-            field,
-            value or "tf.data.Dataset",
-            f"{where + ': ' if where else ''}is infinite; give a finite, unbatched dataset "
-            "(tfdp batches, shuffles and repeats it)",
-        )
-    from tfdp.data.streams import dataset_batching
-
-    if dataset_batching(dataset)[0]:  # Keras' form: batches, read here as examples
-        dataset = dataset.unbatch()
-    elements = list(dataset.as_numpy_iterator())
-    if not elements:
-        raise ConfigError(field, value or "tf.data.Dataset", "has no examples")
-    return tf.nest.map_structure(lambda *leaves: np.stack(leaves), *elements)
 
 
 TFDS_PREFIX = "tfds:"

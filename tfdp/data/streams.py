@@ -62,8 +62,8 @@ class Stream:
         starting_at: for a source read by index (a PyDataset, arrays), the stream from
             a step on, the batches before it not read; None: read from the start.
         endless: the source never ends (an infinite dataset or PyDataset).
-        held: arrays held in memory, whose batches the stream gives as example
-            indices; None: the stream gives the batches themselves.
+        held: the leaves of arrays held in memory, whose batches the stream gives as
+            example indices; None: the stream gives the batches themselves.
         gather: with `held`, the function from a batch of indices to the batch of those
             examples as the model reads it (the trainer gathers: a worker of a cluster
             only its slice).
@@ -81,6 +81,20 @@ class Stream:
     held: object = None
     gather: Callable | None = None
     _read_ahead: list = dataclasses.field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def in_memory(self) -> bool:
+        """Whether the stream reads arrays held in memory, by index: its position is the
+        step, no record can go bad, and its batches are indices (`gather`)."""
+        return self.held is not None
+
+    def identity(self) -> tuple[str, list]:
+        """(what it is, its leaves): for the workers of a cluster to agree they read the
+        same data. Arrays held: all of them; a pipeline: its source, batches and sample."""
+        if self.in_memory:
+            return f"{self.examples} examples,", list(self.held)
+        sample = tf.nest.flatten(self.sample)
+        return f"a {self.source} of batches of {self.batch_size}, a sample's", sample
 
     @property
     def marked(self) -> bool:
@@ -127,7 +141,7 @@ class Stream:
         each a new run of the pipeline (`passes`: passes ended before `start_step`, whose
         markers come before it in a marked stream). Arrays held: batches of example
         indices (`gather` makes their batches)."""
-        if self.held is not None:
+        if self.in_memory:
             return self.starting_at(start_step)
         if start_step and self.starting_at is not None:
             return self.starting_at(start_step).prefetch(PREFETCH_BATCHES)
@@ -169,25 +183,6 @@ def _packed(batch):
 def is_stream_input(x) -> bool:
     """Whether Keras `fit` would read `x` as a pipeline: a dataset, PyDataset or generator."""
     return isinstance(x, (tf.data.Dataset, keras.utils.PyDataset, types.GeneratorType))
-
-
-def undistributed(x, field: str):
-    """A dataset a strategy distributed (`strategy.experimental_distribute_dataset(ds)`, as
-    Keras' fit takes under a strategy): `ds`, its global batches, which tfdp cuts for its
-    own devices; anything else as it is. One distributed from a function holds each
-    worker's part only, and is refused."""
-    if not isinstance(x, tf.distribute.DistributedDataset):
-        return x
-    original = internals.original_dataset(x)  # TensorFlow's DistributedDataset
-    original = getattr(x, "_tfdp_dataset", original)  # tfdp.MirroredStrategy's
-    if isinstance(original, tf.data.Dataset):
-        return original
-    raise ConfigError(
-        field,
-        type(x).__name__,
-        "is distributed from a function (each worker's part of a batch): give tfdp.fit "
-        "the tf.data.Dataset of whole global batches",
-    )
 
 
 def makes_own_batches(x) -> bool:

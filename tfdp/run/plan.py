@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 
 from tfdp import models
-from tfdp.config import AUTO, DATASETS, DEFAULT_BATCH_SIZE, DEFAULT_ITERATIONS, MODELS, Config
-from tfdp.data import arrays as data_lib
-from tfdp.data import mnist, sources, streams
+from tfdp.config import AUTO, DEFAULT_BATCH_SIZE, DEFAULT_ITERATIONS, MODELS, Config
+from tfdp.data import inputs as data_inputs
+from tfdp.data import sources
 from tfdp.data.epochs import Schedule
+from tfdp.data.inputs import Inputs
 from tfdp.devices import (
     available_devices,
     even_split,
@@ -185,93 +185,6 @@ def multiworker_devices(config: Config) -> list[str]:
     return list(find_cluster(config).workers)
 
 
-def load_split(config: Config, split: str):
-    """One split of a built-in dataset, with errors reported against the setting that
-    chose the source."""
-    if config.dataset == "toy":
-        size = 10000 if split == "train" else 2000
-        return mnist.make_toy_data(config.seed, num_examples=size, split=split)
-    mnist_dir = config.mnist_dir or os.environ.get(mnist.MNIST_DIR_ENV) or None
-    if mnist_dir:
-        field = "mnist_dir" if config.mnist_dir else mnist.MNIST_DIR_ENV
-        try:
-            arrays = mnist.load_mnist_idx(mnist_dir, split)
-        except (OSError, ValueError) as error:
-            raise ConfigError(field, mnist_dir, str(error)) from error
-        if len(arrays) == 0:
-            needs = "evaluation" if split == "test" else "training"
-            raise ConfigError(
-                field, mnist_dir, f"its {split} split has no examples; {needs} needs at least one"
-            )
-        return arrays
-    try:
-        return mnist.load_mnist_tfds(split, config.data_dir)
-    except Exception as error:  # tensorflow-datasets raises many kinds on download or read
-        raise ConfigError(
-            "data_dir",
-            config.data_dir,
-            f"MNIST through tensorflow-datasets failed ({type(error).__name__}: {error}); "
-            f"offline, point --mnist_dir or {mnist.MNIST_DIR_ENV} at the four IDX files",
-        ) from error
-
-
-def load_data(config: Config):
-    """(train, test) of the config's dataset: a built-in one, or MODULE:FUNCTION's."""
-    if config.dataset in DATASETS:
-        return load_split(config, "train"), load_split(config, "test")
-    if sources.is_tfds(config.dataset):
-        train, test = sources.load_tfds(
-            config.dataset, config.data_dir, config.shuffle is not False, config.seed
-        )
-    else:
-        function = sources.load_function(config.dataset, "dataset")
-        returned = sources.call(function, config.dataset, "dataset")
-        if not (isinstance(returned, (tuple, list)) and len(returned) == 2):
-            raise ConfigError(
-                "dataset", config.dataset, "must return (train, validation); validation may be None"
-            )
-        train, test = returned
-    if streams.is_stream_input(train):  # read as a pipeline, batch by batch
-        batch_size = config.batch_size
-        if batch_size is None and not streams.makes_own_batches(train):
-            batch_size = DEFAULT_BATCH_SIZE
-        try:
-            train = streams.from_input(
-                train, batch_size, config.drop_remainder, config.shuffle, config.seed
-            )
-        except ConfigError as error:
-            if error.field != "x":
-                raise
-            raise ConfigError(
-                "dataset", config.dataset, f"train data, a {error.value}, {error.reason}"
-            ) from None
-    else:
-        train = sources.as_arrays(train, "dataset", config.dataset, "train")
-    return train, validation_of(test, config)
-
-
-def validation_of(test, config: Config):
-    """The test data of `--dataset` as tfdp reads it: a tf.data pipeline, PyDataset or
-    generator streamed, batch by batch, at each evaluation (`streams.EvalStream`); arrays
-    held."""
-    if not streams.is_stream_input(test):
-        return sources.as_arrays(test, "dataset", config.dataset, "validation")
-    try:
-        test = streams.eval_stream(test, "dataset")
-    except ConfigError as error:
-        raise ConfigError(
-            "dataset", config.dataset, f"validation data, a {error.value}, {error.reason}"
-        ) from None
-    if test.endless and config.eval_steps is None:
-        raise ConfigError(
-            "eval_steps",
-            None,
-            f"the validation data of {config.dataset}, a {test.source}, is infinite: give "
-            "eval_steps, the batches each evaluation reads",
-        )
-    return test
-
-
 def model_for(config: Config, model=None):
     """The run's model: `model` (a compiled Keras model or a function returning one), else
     the config's: a built-in name or MODULE:FUNCTION."""
@@ -283,12 +196,12 @@ def model_for(config: Config, model=None):
     return models.the_model(function, "model", config.model, config.precision)
 
 
-def prepare(config: Config, model=None, train_data=None, validation_data=None) -> Plan:
-    """Validates the config against this machine, loads the data and builds the model
-    once on the host; writes nothing.
+def prepare(config: Config, model=None, inputs: Inputs | None = None) -> Plan:
+    """Validates the config against this machine, makes the data's streams and builds
+    the model once on the host; writes nothing.
 
-    model, train_data, validation_data: a library caller's own (see `tfdp.fit`);
-    None: the config's (`model`, `dataset`).
+    model, inputs: a library caller's own (see `tfdp.fit`; `inputs.of_fit`); None:
+    the config's (`model`, `dataset`).
     """
     check_model_dir(config)
     if config.mode == "multiworker":
@@ -298,61 +211,32 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
         devices = parse_devices(
             config.devices or default_devices(config.mode, available), available
         )
-    partition(with_batch_size(config, None), devices)  # bad powers fail before data is read
+    partition(with_batch_size(config), devices)  # bad powers fail before data is read
     check_balancing(config, devices)
     if config.mode == "multiworker":
         from tfdp.engine.cluster_strategy import join_cluster
 
         join_cluster(config)  # before any other TensorFlow op; waits for every worker
-    if train_data is None:
-        train_data, test_data = load_data(config)
-        field = "dataset"
-    else:
-        if not data_lib.is_stream(train_data):
-            train_data = sources.as_arrays(train_data, "x")
-        test_data = validation_data  # streamed or held, as `fitting.validation_of` made it
-        if not isinstance(test_data, streams.EvalStream):
-            test_data = sources.as_arrays(validation_data, "validation_data")
-        field = "x"
+    inputs = inputs or data_inputs.of_dataset(config)
+    train_data, test_data = inputs.streams(config)
     batch_from = None
-    if config.batch_size is None and data_lib.is_stream(train_data):
+    if config.batch_size is None and train_data.source != "arrays":
         batch_from = f"the {train_data.source}'s batches"
-    config = with_batch_size(config, train_data)
+    config = dataclasses.replace(config, batch_size=train_data.batch_size)
     check_model_dir(config)  # now with the batch size the data gave
     shards = partition(config, devices)
-    examples = data_lib.size(train_data)
-    if examples is not None and config.drop_remainder and config.batch_size > examples:
-        raise ConfigError(
-            "batch_size",
-            config.batch_size,
-            f"is larger than the {examples} training examples, and drop_remainder leaves "
-            "no batch",
-        )
-    if not data_lib.is_stream(train_data):  # arrays: read by index
-        train_data = data_lib.as_stream(
-            train_data, config.batch_size, config.seed, config.drop_remainder, config.shuffle
-        )
-    test_field = "validation_data" if field == "x" else field
-    if test_data is not None and not isinstance(test_data, streams.EvalStream):  # arrays
-        if data_lib.size(test_data) == 0:
-            raise ConfigError(
-                test_field,
-                config.dataset if test_field == "dataset" else "(0 examples)",
-                "has no evaluation examples; give some, or none (None) to skip evaluation",
-            )
-        test_data = data_lib.as_eval_stream(test_data)
     model = model_for(config, model)
     # Keras builds on the first batch's shapes (its errors name them)
-    models.build_on(model, train_data.first_examples(config.batch_size), field)
+    models.build_on(model, train_data.first_examples(config.batch_size), inputs.field)
     if test_data is not None:
-        models.check_fits(model, test_data.first_examples(2), test_field)
+        models.check_fits(model, test_data.first_examples(2), inputs.validation_field)
     per_pass = train_data.batches or (math.inf if train_data.endless else None)
     if per_pass == math.inf and not config.steps_per_epoch and config.iterations is None:
-        value = config.dataset if field == "dataset" else train_data.source
+        named = inputs.field == "dataset"
         raise ConfigError(
-            field,
-            value,
-            f"{'train data, a ' + train_data.source + ', ' if field == 'dataset' else ''}"
+            inputs.field,
+            inputs.value if named else train_data.source,
+            f"{'train data, a ' + train_data.source + ', ' if named else ''}"
             "is infinite: give steps_per_epoch, as Keras fit needs",
         )
     schedule = Schedule(
@@ -378,10 +262,9 @@ def prepare(config: Config, model=None, train_data=None, validation_data=None) -
     )
 
 
-def with_batch_size(config: Config, train_data) -> Config:
-    """The config with its batch size: the one given, else a stream's own batches, else
-    DEFAULT_BATCH_SIZE."""
+def with_batch_size(config: Config) -> Config:
+    """The config with a batch size to check the partition against before the data is
+    read: the one given, else the command's default."""
     if config.batch_size is not None:
         return config
-    own = train_data.batch_size if data_lib.is_stream(train_data) else None
-    return dataclasses.replace(config, batch_size=own or DEFAULT_BATCH_SIZE)
+    return dataclasses.replace(config, batch_size=DEFAULT_BATCH_SIZE)

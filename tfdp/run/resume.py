@@ -129,7 +129,7 @@ def stream_iterator(plan: Plan, trainer, checkpointer, cursor):
             gather=stream.gather,
             marked=stream.marked,
         )
-        if start_step and stream.held is None:  # (arrays: the step is the position)
+        if start_step and not stream.in_memory:  # (arrays: the step is the position)
             note = _read_on_note(stream, start_step, unsaved, failed)
     if saves:
         checkpointer.keep_input(iterator, restored=bool(restored))

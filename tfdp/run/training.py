@@ -162,7 +162,7 @@ def run_trainer(plan: Plan, trainer, log, callbacks, verbose, validation) -> dic
             raise DataError(validation_failure(data, state, failed.error, checkpointer)) from None
         except tf.errors.OpError as error:
             # (arrays held in memory have no record to go bad)
-            if plan.train_data.held is not None or not reading_input(error):
+            if plan.train_data.in_memory or not reading_input(error):
                 raise
             raise DataError(input_failure(plan, state, error, checkpointer)) from None
         if keras_callbacks is None:  # (with them, before their on_train_end, as Keras does)
