@@ -183,6 +183,7 @@ def a_package(tmp_path, files: dict[str, str]) -> pathlib.Path:
     package = tmp_path / "pkg"
     package.mkdir()
     for name, text in {"__init__.py": "", **files}.items():
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
         (package / name).write_text(text)
     return package
 
@@ -346,3 +347,26 @@ def test_a_use_beyond_the_strategy_contract_is_found(tmp_path):
         "a.py": "def f(self, strategy):\n    self.strategy.books\n    strategy.run\n    strategy.last_seconds\n",
     })  # fmt: skip
     assert beyond_the_strategy_contract(strategy_uses(package)) == {"pkg.a": ["books"]}
+
+
+def clock_readers(root: pathlib.Path) -> list[str]:
+    """The modules that import the host clock's ops (`engine/clock.py`), but the clock
+    itself and bench/ (which times variants of a step of its own)."""
+    clock = f"{root.name}.engine.clock"
+    return sorted(
+        name for name, targets in imports(root).items()
+        if clock in targets and name != clock and not name.startswith(f"{root.name}.bench")
+    )
+
+
+def test_one_clock_times_every_step():
+    """Every timed step, a probe's too, is timed by the strategy's clock (`StepClock`):
+    the host clock's ops are read in books.py only."""
+    assert clock_readers(PACKAGE) == ["tfdp.engine.books"]
+
+
+def test_a_second_clock_is_found(tmp_path):
+    package = a_package(tmp_path, {"engine/__init__.py": "", "engine/clock.py": "",
+                                   "engine/books.py": "from pkg.engine.clock import read_after\n",
+                                   "engine/steps.py": "from pkg.engine import clock\n"})
+    assert clock_readers(package) == ["pkg.engine.books", "pkg.engine.steps"]

@@ -13,5 +13,5 @@ shards.py     the exact weighting of uneven shards; whole_batch.py the whole bat
 patches.py    every replacement of Keras' and TensorFlow's functions, installed once
 placement.py  the model's variables placed for a strategy
 split.py      the split: shares, sizes, measurement, what a checkpoint saves
-steps.py      a device's work on its shard (chains, probes); clock.py the in-step clock
+steps.py      a device's work on its shard (chains, probes); clock.py the host clock's ops
 """

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdp.engine import clock, patches
+from tfdp.engine import patches
 from tfdp.engine import shards as shards_lib
 from tfdp.engine.pieces import cut_evenly, num_examples
 from tfdp.engine.shards import add_gradients
@@ -38,11 +38,6 @@ def _zeros_like(tensor):
     return tf.zeros_like(tensor)
 
 
-def _identity(structure):
-    """tf.identity of every tensor of a structure (the parts of sparse and ragged ones too)."""
-    return tf.nest.map_structure(tf.identity, structure, expand_composites=True)
-
-
 class DeviceWork:
     """One device's part of a step: the model's train_step (or test_step) on its shard.
 
@@ -53,18 +48,15 @@ class DeviceWork:
         The pieces' gradients add up to the shard's (shards.py), for models without
         batch statistics (tfdp picks 1 chain for those).
       jit_compile: each piece's forward and backward pass is one XLA program.
-      timed: read the host clock when the shard is there and when its gradients are
-        ready (`seconds`); False leaves the clock out.
       may_be_empty: a shard may hold no examples (a batch smaller than the devices):
         its pieces are then skipped (a kernel such as oneDNN's max-pooling gradient
         does not take an empty batch).
     """
 
-    def __init__(self, model, chains=1, jit_compile=False, timed=False, may_be_empty=False):
+    def __init__(self, model, chains=1, jit_compile=False, may_be_empty=False):
         self.model = model
         self.chains = chains
         self.jit_compile = jit_compile
-        self.timed = timed
         self.may_be_empty = may_be_empty
         self.variables = None  # of the gradients, in order (known once traced)
         self.gradients_like = None  # a piece's gradients, once one has run (their kinds)
@@ -85,30 +77,25 @@ class DeviceWork:
         """Whether every piece of shards of `shard_sizes` holds examples this step."""
         return tf.reduce_min(shard_sizes) >= self.chains
 
-    def train_either(self, shard, examples, delay_per_example=None):
+    def train_either(self, shard, examples):
         """`train`, with its pieces guarded against holding no examples only on a step where
         one may: a guard is a conditional of the whole piece, and the model's metric
         updates inside it would make the piece wait for every piece traced before it
         (a tf.function runs the stateful ops on one variable in program order), where
         unguarded pieces run side by side."""
         if not self.guarded or tf.executing_eagerly():
-            return self.train(shard, examples, delay_per_example)
+            return self.train(shard, examples)
         return tf.cond(
             self.full(tf.reshape(num_examples(shard), [1])),
-            lambda: self.train(shard, examples, delay_per_example, guard=False),
-            lambda: self.train(shard, examples, delay_per_example),
+            lambda: self.train(shard, examples, guard=False),
+            lambda: self.train(shard, examples),
         )
 
-    def train(self, shard, examples, delay_per_example=None, guard=True):
+    def train(self, shard, examples, guard=True):
         """The model's train_step on `shard` of a global batch of `examples`, without the
         update: (its logs, its summed gradients (one per `self.variables`), whether it
-        held examples, its seconds). `guard=False`: every piece holds examples (`full`)."""
+        held examples). `guard=False`: every piece holds examples (`full`)."""
         n = num_examples(shard)
-        start = None
-        if self.timed or delay_per_example is not None:
-            start = clock.read_after(tf.nest.flatten(shard, expand_composites=True)[0])
-            with tf.control_dependencies([start]):  # the work starts after the clock is read
-                shard = _identity(shard)
         parts = cut_evenly(shard, self.chains) if self.chains > 1 else [shard]
         logs, gradients = None, None
         for index, part in enumerate(parts):
@@ -122,15 +109,7 @@ class DeviceWork:
                 lambda new, old: tf.where(size > 0, new, old), part_logs, logs
             )
             gradients = [add_gradients(g, p) for g, p in zip(gradients, part_gradients)]
-        seconds = tf.constant(0.0, tf.float64)
-        if start is not None:
-            end = clock.read_after(*tf.nest.flatten(gradients, expand_composites=True) or [n])
-            if delay_per_example is not None:
-                end = clock.sleep_then_read(end, tf.cast(n, tf.float64) * delay_per_example)
-            with tf.control_dependencies([end]):
-                gradients = _identity(gradients)  # released once the clock is read
-            seconds = end - start
-        return logs, gradients, n > 0, seconds
+        return logs, gradients, n > 0
 
     def _piece(self, part, examples, guarded):
         fraction = tf.cast(num_examples(part), tf.float32) / tf.cast(examples, tf.float32)

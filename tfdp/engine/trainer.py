@@ -33,23 +33,22 @@ from tfdp.engine.steps import DeviceWork, with_metrics
 
 class Probes:
     """A trainer's probes: each device's seconds for the model's forward and backward pass
-    on its piece, without the update, and the simulated slowdown (`set_delays`). What a
-    balancer (balance/balancers.py) measures the devices with; `split` is the split they
-    time and the balancer sets; `timed`: each training step reads every device's seconds.
+    on its piece, without the update, timed by the strategy's own clock as a training
+    step is, and the simulated slowdown (`set_delays`). What a balancer
+    (balance/balancers.py) measures the devices with; `split` is the split they time and
+    the balancer sets; `timed`: each training step reads every device's seconds.
     """
 
     def __init__(self, trainer):
         self._trainer = trainer
         self.split, self.timed = trainer.split, trainer.timed
-        # the model's train_step on a piece, timed, its gradients not applied
-        self._work = DeviceWork(trainer.model, 1, False, True, may_be_empty=True)
+        # the model's train_step on a piece, its gradients not applied
+        self._work = DeviceWork(trainer.model, 1, False, may_be_empty=True)
         self._alone = tf.function(self._seconds_alone, autograph=False)
         self._together = tf.function(self._seconds_together, autograph=False)
 
     def set_delays(self, delays) -> None:
         """Simulated slowdown: seconds of sleep per example, per replica."""
-        if self._trainer.strategy is None:
-            raise ValueError("the trainer was made without a simulated slowdown")
         self._trainer.strategy.set_sleep_per_example(delays)
 
     def alone(self, batch, index: int) -> float:
@@ -79,24 +78,23 @@ class Probes:
         sizes[index] = num_examples(batch)
         return self._timed(batch, tf.stack(sizes))[index]
 
-    def _delay(self):
-        sleep = getattr(self._trainer.strategy, "sleep_per_example", None)
-        if sleep is None:
-            return None
-        return tf.gather(sleep, tf.distribute.get_replica_context().replica_id_in_sync_group)
-
     def _timed(self, batch, sizes):
-        """Each replica's seconds for its train_step on its piece, without the update."""
+        """Each replica's seconds for its train_step on its piece, without the update: the
+        step's gradients are handed to the all-reduce, where the strategy's clock stops
+        (and the simulated slowdown sleeps), and never applied."""
         trainer, examples = self._trainer, num_examples(batch)
+        if not trainer.timed:
+            raise ValueError("probes time the devices by the strategy's clock: a timed trainer")
 
-        def seconds(piece):
-            return self._work.train(piece, examples, self._delay())[3]
+        def handed_over(piece):
+            gradients = self._work.train(piece, examples)[1]
+            tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, [*gradients, tf.zeros([])]
+            )
 
         with shards_lib.handing_over(trainer.model):
-            if trainer.strategy is None:
-                return tf.stack([trainer.run(seconds, trainer.cut(batch, sizes))])
-            per_replica = trainer.strategy.run(seconds, args=(trainer.cut(batch, sizes),))
-        return tf.stack(trainer.strategy.experimental_local_results(per_replica))
+            trainer.strategy.run(handed_over, args=(trainer.cut(batch, sizes),))
+        return trainer.strategy.last_seconds
 
 
 class Trainer:
@@ -185,7 +183,7 @@ class Trainer:
                 f"devices {', '.join(strategy.extended.worker_devices)} and their all-reduce"
             )
         # chains: the batch cut into pieces whose gradients are summed and applied once
-        self._work = DeviceWork(model, chains, self.jit_compile, False) if chains > 1 else None
+        self._work = DeviceWork(model, chains, self.jit_compile) if chains > 1 else None
         self._replica_step = model.train_step if self._work is None else self._chained_step
         self._replicas_train = self._replicas_test = None  # each step one XLA program, as in Keras
         if self.jit_compile and not model.run_eagerly:
@@ -303,7 +301,7 @@ class Trainer:
         """The model's train_step on side-by-side pieces of `batch`, their gradients summed
         and applied once with the model's optimizer."""
         with shards_lib.handing_over(self.model):
-            logs, gradients, _, _ = self._work.train_either(batch, num_examples(batch))
+            logs, gradients, _ = self._work.train_either(batch, num_examples(batch))
         if gradients:  # (a model without trainable weights has nothing to update)
             self.model.optimizer.apply_gradients(zip(gradients, self._work.variables))
         return with_metrics(self.model, logs)
