@@ -92,15 +92,9 @@ class Inputs:
         )
 
     def _validation_stream(self) -> streams.EvalStream | None:
-        validation = self.validation
+        validation = self.validation  # arrays were checked to hold examples (`as_arrays`)
         if validation is None or isinstance(validation, streams.EvalStream):
             return validation
-        if data_lib.size(validation) == 0:
-            raise ConfigError(
-                self.validation_field,
-                self.value if self.field != "x" else "(0 examples)",
-                "has no evaluation examples; give some, or none (None) to skip evaluation",
-            )
         return data_lib.as_eval_stream(validation)
 
 
