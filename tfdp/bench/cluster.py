@@ -11,19 +11,15 @@ alone it is 4 times slower. Rows:
   rebalanced (every 5)         powers 1,1 to start, --rebalance_every=5
   auto + rebalanced (every 5)  --powers=auto, then --rebalance_every=5
 
-Every row runs the same untimed iterations first: `--warmup`, then `--settle`
-more, during which the rebalanced rows re-split as `training.run` does (the
-bench drives the trainer's `rebalancing` per step, skipping the first step as
-the loop does). The clock then times `--iterations` steps from the split that
-rebalancing settled on, with rebalancing still on. So the rows compare the
-steady rate of each split; the few iterations rebalancing takes to settle
-(windows of 1, 1, 2, 4, then 5 steps) are a one-off cost of a run, recorded
-as `warmup_seconds` but not in the rate.
-
-The rate is the steps' (`images_per_second_steps`: the timed iterations over
-the time until the last of them was done): a run's whole time also covers
-deleting its input iterator, which is not the speed of a split.
-`vs_even_whole_run` keeps the ratio with it.
+Each row is the `tfdp` command's run on every worker (`bench.timed`: its
+loop and every hook of it, the rebalancing among them). Every row runs the
+same untimed iterations first: `--warmup`, then `--settle` more, during which
+the rebalanced rows re-split as any run does. The clock then times
+`--iterations` steps from the split that rebalancing settled on, with
+rebalancing still on. So the rows compare the steady rate of each split; the
+few iterations rebalancing takes to settle (windows of 1, 1, 2, 4, then 5
+steps) are a one-off cost of a run, recorded as `warmup_seconds` but not in
+the rate.
 
 Rounds are interleaved (the order rotated from round to round), and `vs_even`
 is the median over rounds of each round's rate against that round's even
@@ -77,8 +73,8 @@ def summarize(specs, measurements) -> list[dict]:
     rows = []
     for spec in specs:
         runs = measurements[spec.name]
-        rates = [m["images_per_second_steps"] for m in runs]
-        per_round = ratios(spec.name, "images_per_second_steps")
+        rates = [m["images_per_second"] for m in runs]
+        per_round = ratios(spec.name, "images_per_second")
         rows.append(
             {
                 "configuration": spec.name,
@@ -88,12 +84,11 @@ def summarize(specs, measurements) -> list[dict]:
                 "slowdown": spec.slowdown,
                 "timed_shards": [m["timed_shards"] for m in runs],
                 "final_shards": [m["final_shards"] for m in runs],
-                "images_per_second_steps": statistics.median(rates),
-                "images_per_second_steps_min": min(rates),
-                "images_per_second_steps_max": max(rates),
+                "images_per_second": statistics.median(rates),
+                "images_per_second_min": min(rates),
+                "images_per_second_max": max(rates),
                 "vs_even": statistics.median(per_round),
                 "vs_even_per_round": per_round,
-                "vs_even_whole_run": statistics.median(ratios(spec.name, "images_per_second")),
                 "device_seconds": [m["device_seconds"] for m in runs],
                 "rounds": len(runs),
             }
@@ -103,15 +98,15 @@ def summarize(specs, measurements) -> list[dict]:
 
 def format_table(rows) -> str:
     header = (
-        "| configuration | shares timed (per round) | images/s of the steps (min-max) "
+        "| configuration | shares timed (per round) | images/s (min-max) "
         "| vs even split (per round) |"
     )
     lines = [header, "|" + " --- |" * 4]
     for r in rows:
         lines.append(
             f"| {r['configuration']} | {', '.join(str(s) for s in r['timed_shards'])} "
-            f"| {r['images_per_second_steps']:.0f} "
-            f"({r['images_per_second_steps_min']:.0f}-{r['images_per_second_steps_max']:.0f}) "
+            f"| {r['images_per_second']:.0f} "
+            f"({r['images_per_second_min']:.0f}-{r['images_per_second_max']:.0f}) "
             f"| {r['vs_even']:.2f} ({', '.join(f'{x:.2f}' for x in r['vs_even_per_round'])}) |"
         )
     return "\n".join(lines)
@@ -148,8 +143,7 @@ def run(
             measurements[spec.name].append(measured)
             print(
                 f"round {round_index + 1}: {spec.name}: "
-                f"{measured['images_per_second_steps']:.0f} images/s (steps), "
-                f"{measured['images_per_second']:.0f} (whole run) at shares "
+                f"{measured['images_per_second']:.0f} images/s at shares "
                 f"{measured['timed_shards']}, device seconds {measured['device_seconds']}",
                 flush=True,
             )

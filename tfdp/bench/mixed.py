@@ -12,19 +12,22 @@ slowdown (`--slowdown=cpu:1=4`, the default there). Rows:
   auto + dynamic      both
   share s             a sweep of static splits: the slow device gets s examples
 
-The slowdown's sleep per example is calibrated once, in a process of its
-own, and the same value is given to every configuration, so that all of them
+Each row is a run of the `tfdp` command with the row's settings, through
+its loop and every hook of it (`bench.timed`), timed from the end of its
+warm-up: a rebalanced row has begun to move its split by then, and goes on
+while it is timed. The slowdown's sleep per example is calibrated once, by a
+run in a process of its own, and the same value is given to every
+configuration in place of each run's own calibration, so that all of them
 face the same slow device. Each round is one process that measures every
 configuration (in an order rotated from round to round), and ratios are
-taken within a round. Auto's probe is timed separately (it runs once per
-run, before training); the rows time the training steps only.
+taken within a round. A run's set-up (auto's probes among it) is before its
+first step, timed apart; the rows time the training steps only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 
 EVERY = 5  # the dynamic rows' --rebalance_every
 
@@ -53,14 +56,6 @@ def mixed_configurations(factor: float, sweep, batch_size: int) -> list[MixedSpe
     return specs
 
 
-def load_arrays(job: dict):
-    from tfdp.data import mnist
-
-    if job["synthetic"]:
-        return mnist.synthetic_mnist()
-    return mnist.load_mnist("train", mnist_dir=job["mnist_dir"])
-
-
 def logical_cpus_for(devices: list[str]) -> int:
     """How many logical CPUs the device list needs (0: leave the CPU whole)."""
     indices = [int(d.split(":")[-1]) for d in devices if d.lower().startswith("cpu")]
@@ -69,9 +64,12 @@ def logical_cpus_for(devices: list[str]) -> int:
 
 def _config(spec: MixedSpec, job: dict):
     from tfdp import Config
+    from tfdp.bench.table import SYNTHETIC
 
     return Config(
         mode="weighted",
+        dataset=SYNTHETIC if job["synthetic"] else "mnist",
+        mnist_dir=job["mnist_dir"],
         devices=",".join(job["devices"]),
         powers=spec.powers,
         batch_size=job["batch_size"],
@@ -90,33 +88,22 @@ def _set_up_process(job: dict) -> None:
     configure_logical_devices(logical_cpus=logical_cpus_for(job["devices"]))
 
 
-def _build(reduce: str, job: dict):
-    """A weighted trainer (even shares to start), with the job's slowdown."""
-    from tfdp.devices import available_devices, parse_devices
-    from tfdp.engine.modes import build_trainer
-    from tfdp.run.training import partition
-
-    config = _config(MixedSpec("", (), reduce=reduce), job)
-    devices = parse_devices(config.devices, available_devices())
-    trainer = build_trainer(config, devices, partition(config, devices))
-    if job.get("delays"):
-        trainer.balancer.probes.set_delays(job["delays"])
-    return config, trainer
-
-
 def calibrate(job: dict) -> dict:
     """The sleep per example that makes each slowed device `factor` times slower in a step
-    at the even split (`balance.calibrate_slowdown`)."""
-    from tfdp.balance import calibrate_slowdown
-    from tfdp.data.arrays import first_examples
-    from tfdp.devices import parse_slowdown
+    at the even split: a run's own calibration, of a one-step run at the even split."""
+    from tfdp.run import training
+    from tfdp.run.plan import prepare
 
     _set_up_process(job)
-    config, trainer = _build("device0", {**job, "delays": None})
-    slowdown = parse_slowdown(config.simulate_slowdown)
-    batch = first_examples(load_arrays(job), config.batch_size)
-    factors = [slowdown.get(d, 1.0) for d in trainer.split.devices]
-    return {"delays": calibrate_slowdown(trainer.balancer.probes, batch, factors)}
+    config = dataclasses.replace(_config(MixedSpec("", (1.0, 1.0)), job), iterations=1)
+    result = training.run(prepare(config), log=lambda line: None)
+    slowed = result["simulated_slowdown"] or {}
+    return {
+        "delays": [
+            slowed.get(name, {}).get("sleep_seconds_per_example", 0.0)
+            for name in result["devices"]
+        ]
+    }
 
 
 def measure_round(job: dict) -> list[dict]:
@@ -124,107 +111,61 @@ def measure_round(job: dict) -> list[dict]:
 
     A process on a shared machine can run at one of several speeds for its
     whole life; measuring all configurations in the same process lets the
-    ratios between them cancel that out. The trainers (one per reduction) are
-    built once; each configuration resets the weights and its shares.
+    ratios between them cancel that out. Each is a run of the `tfdp` command
+    (`bench.timed`), and each faces the same slow device: the calibration of
+    the job (`calibrate`) takes the place of each run's own.
     """
+    from tfdp import balance
+
     _set_up_process(job)
-    arrays = load_arrays(job)
-    trainers = {}
+    if job.get("delays"):
+        balance.calibrate_slowdown = given_slowdown(job["delays"])
     results = []
     for fields in job["specs"]:
         spec = MixedSpec(**{**fields, "powers": _powers(fields["powers"])})
-        if spec.reduce not in trainers:
-            trainers[spec.reduce] = _build(spec.reduce, job)
-        config, trainer = trainers[spec.reduce]
-        results.append({"name": spec.name, **measure(spec, config, trainer, arrays, job)})
+        results.append({"name": spec.name, **measure(spec, job)})
     return results
+
+
+def given_slowdown(delays: list[float]):
+    """A stand-in for `balance.calibrate_slowdown` that sets `delays`, the seconds of
+    sleep per example of each device, as the calibration sets the ones it measures."""
+
+    def calibrated(probes, batch, factors, repeats=3):
+        probes.set_delays(list(delays))
+        return list(delays)
+
+    return calibrated
 
 
 def _powers(value):
     return value if value == "auto" else tuple(value)
 
 
-def measure(spec: MixedSpec, config, trainer, arrays, job: dict) -> dict:
-    """From the initial weights and the spec's starting split: warm up, then time."""
-    from tfdp.balance import Rebalancing, measure_powers, settle_under_load, whole_shares
-    from tfdp.data.arrays import first_examples, train_dataset
-    from tfdp.devices import split_batch
-    from tfdp.models import initial_weights
-    from tfdp.run.observe import CpuAccounting
+def measure(spec: MixedSpec, job: dict) -> dict:
+    """One configuration: a run from the initial weights and the spec's split, timed after
+    its warm-up, its second half also on its own."""
+    from tfdp.bench import timed
 
-    batch = config.batch_size
-    probe_seconds, powers, alone_shards = 0.0, None, None
-    if spec.powers == "auto":
-        start = time.perf_counter()
-        probes = trainer.balancer.probes
-        powers = measure_powers(probes, first_examples(arrays, batch // len(trainer.split.devices)))
-        alone_shards = whole_shares(batch, powers)
-        trainer.split.set(alone_shards)
-        probe = settle_under_load(probes, first_examples(arrays, batch), log=lambda line: None)
-        start_shards = list(trainer.split.shards)
-        probe_seconds = time.perf_counter() - start
-    else:
-        start_shards = split_batch(batch, spec.powers)
-
-    def run(iterations, rebalancing=None):
-        """Returns the clock when the second half of the iterations began."""
-        iterator = trainer.distribute(train_dataset(arrays, batch, config.seed))
-        middle, metrics = None, None
-        for i in range(iterations):
-            if i and i == iterations // 2:
-                float(metrics["logs"]["loss"])  # wait for the first half
-                middle = time.perf_counter()
-            metrics = trainer.train_step(iterator)
-            if rebalancing:
-                rebalancing.observe(i, metrics["device_seconds"])
-        float(metrics["logs"]["loss"])  # wait for the last step
-        return middle
-
-    trainer.split.set(start_shards)
-    run(job["warmup"])  # also warms the kernels for these shard shapes
-    trainer.model.set_weights(initial_weights(config.model, config.init, config.seed))
-    trainer.split.set(start_shards)
-    rebalancing = Rebalancing(trainer.balancer.probes, spec.rebalance_every, log=lambda line: None)
-    if spec.powers == "auto":
-        rebalancing.carry_over(probe)
-    accounting = CpuAccounting()
-    start = time.perf_counter()
-    middle = run(job["iterations"], rebalancing) or start  # one iteration: no halves
-    end = time.perf_counter()
-    seconds = end - start
-    second_half = job["iterations"] - job["iterations"] // 2 if middle != start else 1
+    result = timed.run(_config(spec, job), job["warmup"], job["iterations"], halves_asked=True)
     return {
-        **accounting.stop(),
-        "seconds": seconds,
-        "images_per_second": job["iterations"] * batch / seconds,
-        "images_per_second_second_half": second_half * batch / (end - middle),
-        "start_shards": start_shards,
-        "final_shards": list(trainer.split.shards),
-        "resplits": len(rebalancing.resplits),
-        "auto_powers": powers,
-        "auto_shards_alone": alone_shards,
-        "probe_seconds": probe_seconds,
-        "device_seconds": rebalancing.seconds(),
+        **{k: v for k, v in result.items() if k.endswith("cpu_seconds") or k.startswith("steal")},
+        "seconds": result["seconds"],
+        "images_per_second": result["images_per_second"],
+        "images_per_second_second_half": result["images_per_second_second_half"],
+        "start_shards": result["shards"],
+        "final_shards": result["final_shards"],
+        "resplits": len(result["rebalances"]),
+        "auto_powers": result["auto_powers"],
+        "simulated_slowdown": result["simulated_slowdown"],
+        "set_up_seconds": result["set_up_seconds"],
+        "device_seconds": result["device_seconds"],
     }
 
 
-def start_bound(start_rate: float, best_rate: float, iterations: int) -> float:
-    """The most a run that starts at one split can get of the best split's rate.
-
-    A rebalancer measures its starting split by running it: at best, its first
-    step runs at `start_rate` and the other `iterations - 1` at `best_rate`.
-    """
-    return iterations / (best_rate / start_rate + iterations - 1)
-
-
-def summarize(specs, measurements, iterations: int | None = None) -> list[dict]:
+def summarize(specs, measurements) -> list[dict]:
     """Medians over the rounds. Ratios are taken within each round (one process),
-    then their median is reported.
-
-    A rebalanced row that starts from the split of a static row also gets
-    `start_bound` (with `iterations` given): the median over rounds of
-    `start_bound` at that row's rate.
-    """
+    then their median is reported."""
     median = {
         s.name: statistics.median(m["images_per_second"] for m in measurements[s.name])
         for s in specs
@@ -237,17 +178,9 @@ def summarize(specs, measurements, iterations: int | None = None) -> list[dict]:
             m[key] / o[key] for m, o in zip(measurements[name], measurements[other])
         )
 
-    static = {s.powers: s.name for s in specs if not s.rebalance_every and s.powers != "auto"}
     rows = []
     for spec in specs:
         runs = measurements[spec.name]
-        start = static.get(spec.powers) if spec.rebalance_every and spec.powers != "auto" else None
-        bound = None
-        if start and best and iterations:
-            bound = statistics.median(
-                start_bound(m["images_per_second"], b["images_per_second"], iterations)
-                for m, b in zip(measurements[start], measurements[best])
-            )
         rates = [m["images_per_second"] for m in runs]
         rows.append(
             {
@@ -266,10 +199,7 @@ def summarize(specs, measurements, iterations: int | None = None) -> list[dict]:
                     ratio_to(spec.name, best, "images_per_second_second_half") if best else None
                 ),
                 "best_sweep": best,
-                "start_bound": bound,
-                "start_bound_from": start if bound is not None else None,
-                "start_bound_iterations": iterations if bound is not None else None,
-                "probe_seconds": statistics.median(m["probe_seconds"] for m in runs),
+                "set_up_seconds": statistics.median(m["set_up_seconds"] for m in runs),
                 "rounds": len(runs),
             }
         )
@@ -283,7 +213,7 @@ def format_table(rows) -> str:
 
     lines = [
         "| configuration | shares (start -> end of the last round) | images/s (min-max) "
-        "| vs even split | vs best swept split | second half vs best | probe s |",
+        "| vs even split | vs best swept split | second half vs best | set-up s |",
         "|" + " --- |" * 7,
     ]
     for r in rows:
@@ -295,15 +225,8 @@ def format_table(rows) -> str:
         lines.append(
             f"| {r['configuration']} | {shares(r)} | {r['images_per_second']:.0f} "
             f"({r['images_per_second_min']:.0f}-{r['images_per_second_max']:.0f}) "
-            f"| {r['vs_even']:.2f} | {best} | {half} | {r['probe_seconds']:.1f} |"
+            f"| {r['vs_even']:.2f} | {best} | {half} | {r['set_up_seconds']:.1f} |"
         )
-    for r in rows:
-        if r.get("start_bound") is not None:
-            lines.append(
-                f"\n{r['configuration']}: its first step runs at the shares of "
-                f"'{r['start_bound_from']}', which caps it at {r['start_bound']:.2f} of the best "
-                f"swept split over {r['start_bound_iterations']} iterations."
-            )
     return "\n".join(lines)
 
 

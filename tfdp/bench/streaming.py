@@ -67,6 +67,7 @@ import time
 
 from tfdp.bench import records
 from tfdp.bench.spec import Spec, device_names
+from tfdp.bench.timed import busy_seconds
 
 FILES = records.FILES  # TFRecord files the dataset is written in
 IMAGE_SHAPE = (32, 32, 3)
@@ -216,17 +217,6 @@ def make_model():
 
 
 # ---------------------------------------------------------------- one process
-
-
-def busy_seconds() -> float | None:
-    """The machine's busy CPU seconds so far, all cores and processes together (Linux
-    /proc/stat: user, nice, system, irq, softirq); None where /proc is not there."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:]]
-    except OSError:
-        return None
-    return sum(ticks[i] for i in (0, 1, 2, 5, 6)) / os.sysconf("SC_CLK_TCK")
 
 
 def step_clock(warmup: int, steps: int):

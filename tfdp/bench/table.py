@@ -3,9 +3,12 @@
 Every configuration runs in its own process (device sets never share a
 process, so collective ops never collide, and logical CPUs can differ), in
 interleaved rounds A B C ... A B C ..., so that a noisy machine slows all of
-them alike. Each measurement warms up first (tracing and compilation are not
-timed), then resets the weights and the input to the start and times the
-tutorial's run: LeNet, batch 1024, 50 iterations.
+them alike. Each measurement is one run: a tfdp row the `tfdp` command's,
+through its loop and every hook of it (tfdp/bench/timed.py); a Keras row one
+`fit`. The clock starts at the end of the warm-up's last step (tracing and
+compilation are not timed) and stops at the end of the last step: LeNet,
+batch 1024, 50 iterations after 5 warm-up. The accuracy at iteration 40 is
+the run's own, counted from its first step.
 
   tfdp-bench --mnist_dir=../shared/data/mnist --json=bench.jsonl --plot=bench.png
 
@@ -38,7 +41,6 @@ from tfdp import onednn  # noqa: E402
 onednn.enable_by_default()  # an entry point: before TensorFlow is imported
 from tfdp.bench.flops import FORWARD_FLOPS, TRAIN_FLOPS  # noqa: E402
 from tfdp.bench.spec import Spec, device_names  # noqa: E402
-from tfdp.run.observe import CpuAccounting  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -217,37 +219,82 @@ def spec_devices(spec: Spec, job: dict) -> list[str]:
 
 
 def measure_tfdp(spec: Spec, job: dict) -> dict:
-    from tfdp import Config
-    from tfdp.devices import AUTO, default_intra_op_threads, set_intra_op_threads, short_name
-    from tfdp.engine.modes import build_trainer
-    from tfdp.run.training import partition
+    """A tfdp row: the run of the `tfdp` command with the row's settings, through its
+    loop and every hook of it (`timed.run`), timed from the end of the warm-up.
 
-    devices = spec_devices(spec, job)
+    The cluster suite's rows warm up `job["settle"]` more iterations, so that the clock
+    starts at the split rebalancing settled on; rebalancing goes on while it is timed.
+    A multiworker row is one worker of the cluster TF_CONFIG names."""
+    from tfdp import Config
+    from tfdp.bench import timed
+    from tfdp.devices import (
+        default_intra_op_threads,
+        parse_slowdown,
+        reserve_sleeping_threads,
+        set_intra_op_threads,
+        short_name,
+    )
+
+    multiworker = spec.mode == "multiworker"
+    devices = [] if multiworker else spec_devices(spec, job)
     config = Config(
         mode=spec.mode,
-        model=job.get("model", "lenet"),  # the threads per kernel depend on it
+        model=job.get("model", "lenet"),
+        dataset=SYNTHETIC if job["synthetic"] else "mnist",
+        mnist_dir=job["mnist_dir"],
         devices=",".join(short_name(d) for d in devices),
         powers=spec.powers,
         batch_size=job["batch_size"],
+        rebalance_every=spec.rebalance_every,
+        simulate_slowdown=spec.slowdown,
         jit_compile=spec.jit_compile,
         precision=spec.precision,
     )
-    # as the tfdp command would choose (the Keras rows keep TensorFlow's default)
-    set_intra_op_threads(default_intra_op_threads(config, 0, 0, os.cpu_count() or 1))
-    shards = partition(config, devices)
-    arrays = load_arrays(job["synthetic"], job["mnist_dir"])
-    trainer = build_trainer(config, devices, shards, user_model(job, arrays))
-    probe_seconds = 0.0
-    if spec.powers == AUTO:  # each device alone, then all at once, as `tfdp` does first
-        start = time.perf_counter()
-        trainer.balancer.set_up(config, as_training_data(arrays, config), log=lambda line: None)
-        probe_seconds = time.perf_counter() - start
+    # as the tfdp command sets them, before TensorFlow starts (the Keras rows keep
+    # TensorFlow's default threads)
+    reserve_sleeping_threads(len(parse_slowdown(config.simulate_slowdown)))
+    if multiworker:
+        set_intra_op_threads(spec.intra_op_threads)
+    else:
+        set_intra_op_threads(default_intra_op_threads(config, 0, 0, os.cpu_count() or 1))
+    warmup = job["warmup"] + job.get("settle", 0)
+    result = timed.run(config, warmup, job["iterations"])
+    before = [r for r in result["rebalances"] if r["iteration"] < warmup]
     return {
-        **time_tutorial_run(trainer, config, arrays, job),
-        "chains": trainer.info()["chains"],
-        "device_list": [short_name(d) for d in devices],
-        "probe_seconds": probe_seconds,
+        "seconds": result["seconds"],
+        "set_up_seconds": result["set_up_seconds"],
+        "warmup_iterations": warmup,
+        "warmup_seconds": result["warmup_seconds"],
+        "shards": result["shards"],
+        "timed_shards": before[-1]["new"] if before else result["shards"],
+        "final_shards": result["final_shards"],
+        "resplits_before_timing": len(before),
+        "resplits_timed": len(result["rebalances"]) - len(before),
+        "accuracy_at_40": next(
+            (entry.get("accuracy") for entry in result["log"] if entry["iteration"] == 40), None
+        ),
+        "test_accuracy": result["test_accuracy"],
+        "chains": result.get("chains"),
+        "device_list": result["devices"],
+        "simulated_slowdown": result.get("simulated_slowdown"),
+        "auto_powers": result.get("auto_powers"),
+        "intra_op_threads_asked": spec.intra_op_threads if multiworker else None,
+        # each device's (worker's) median seconds per step over the last window, sleep included
+        "device_seconds": result["device_seconds"],
+        **{k: v for k, v in result.items() if k.endswith("cpu_seconds") or k.startswith("steal")},
     }
+
+
+SYNTHETIC = "tfdp.bench.table:synthetic_mnist"  # --synthetic: the rows' dataset
+
+
+def synthetic_mnist():
+    """`--synthetic`'s training data for the `tfdp` command's rows (`--dataset`): random
+    images of MNIST's shape, no validation."""
+    from tfdp.data import mnist
+
+    arrays = mnist.synthetic_mnist()
+    return (arrays.images.astype("float32") / 255.0, arrays.labels), None
 
 
 def user_function(job: dict):
@@ -259,134 +306,11 @@ def user_function(job: dict):
     return sources.load_function(job["model"], "model")
 
 
-def user_model(job: dict, arrays):
-    """The job's model as tfdp trains it, built (None: the built-in LeNet)."""
-    make = user_function(job)
-    if make is None:
-        return None
-    from tfdp import models
-    from tfdp.data.arrays import first_examples
-
-    model = models.the_model(make)
-    models.build_on(model, first_examples(arrays, 2))
-    return model
-
-
-def measure_multiworker(spec: Spec, job: dict) -> dict:
-    """This worker's timing of the cluster's run; TF_CONFIG names the cluster.
-
-    A slowdown or rebalancing is set up as `training.run` sets it up (the
-    trainer's `balancer`), and the bench drives the
-    rebalancing per step as its loop does."""
-    from tfdp import Config
-    from tfdp.cluster.spec import read_cluster
-    from tfdp.devices import parse_slowdown, reserve_sleeping_threads, set_intra_op_threads
-    from tfdp.engine.cluster_strategy import join_cluster
-    from tfdp.engine.modes import build_trainer
-    from tfdp.run.training import partition
-
-    config = Config(
-        mode="multiworker",
-        model=job.get("model", "lenet"),
-        powers=spec.powers,
-        batch_size=job["batch_size"],
-        rebalance_every=spec.rebalance_every,
-        simulate_slowdown=spec.slowdown,
-    )
-    workers = list(read_cluster().workers)
-    shards = partition(config, workers)
-    # as the tfdp command sets them, before TensorFlow starts
-    reserve_sleeping_threads(len(parse_slowdown(config.simulate_slowdown)))
-    set_intra_op_threads(spec.intra_op_threads)
-    join_cluster(config)  # before any other TensorFlow op
-    arrays = load_arrays(job["synthetic"], job["mnist_dir"])
-    trainer = build_trainer(config, workers, shards, user_model(job, arrays))
-    start = time.perf_counter()
-    info, probe = trainer.balancer.set_up(
-        config, as_training_data(arrays, config), log=lambda line: None
-    )
-    probe_seconds = time.perf_counter() - start
-    rebalancing = trainer.balancer.rebalancing(config.rebalance_every, lambda line: None, probe)
-    return {
-        **time_tutorial_run(trainer, config, arrays, job, rebalancing),
-        "probe_seconds": probe_seconds,
-        "simulated_slowdown": info["simulated_slowdown"],
-        "auto_powers": info["auto_powers"],
-        "intra_op_threads_asked": spec.intra_op_threads,
-        # each worker's median seconds per step over the last window (sleep included)
-        "device_seconds": rebalancing.seconds() if rebalancing else None,
-    }
-
-
-def as_training_data(arrays, config):
-    """Arrays as a run reads its training data, for the balancer (`arrays.as_stream`)."""
-    from tfdp.data.arrays import as_stream
-
-    return as_stream(arrays, config.batch_size, config.seed, config.drop_remainder, config.shuffle)
-
-
-def time_tutorial_run(trainer, config, arrays, job: dict, rebalancing=None) -> dict:
-    """Warms up, resets the weights and the input, then times the tutorial's run.
-
-    With `rebalancing`, every step but the first of the warm-up is observed, as
-    `training.run` observes them, and the warm-up lasts `job["settle"]` more
-    iterations: the clock starts at the split rebalancing settled on, and
-    rebalancing goes on during the timed run.
-    """
-    from tfdp.data.arrays import train_dataset
-    from tfdp.run.hooks.report import floats
-
-    shards = list(trainer.split.shards)
-    initial = trainer.model.get_weights()
-    observed = 0  # steps handed to the rebalancing, counted as the loop counts iterations
-
-    def tutorial_run(iterations):
-        nonlocal observed
-        iterator = trainer.distribute(train_dataset(arrays, config.batch_size, config.seed))
-        log = {}
-        for i in range(iterations):
-            if i % 10 == 0:
-                trainer.model.reset_metrics()  # the logged step's own batch, as tfdp logs it
-            metrics = trainer.train_step(iterator)
-            if i % 10 == 0:
-                log[i] = metrics  # read after the clock stops
-            if rebalancing and (observed or i):  # the first step has first-run costs
-                rebalancing.observe(observed, metrics["device_seconds"])
-                observed += 1
-        float(metrics["logs"]["loss"])  # wait for the last step
-        return log, time.perf_counter()  # the steps are done; the iterator is not yet deleted
-
-    settle = job.get("settle", 0) if rebalancing else 0
-    start = time.perf_counter()
-    tutorial_run(job["warmup"] + settle)
-    warmup_seconds = time.perf_counter() - start
-    trainer.model.set_weights(initial)
-    timed_shards = list(trainer.split.shards)
-    resplits_before = len(rebalancing.resplits) if rebalancing else 0
-    accounting = CpuAccounting()
-    start = time.perf_counter()
-    log, steps_done = tutorial_run(job["iterations"])
-    seconds = time.perf_counter() - start
-    accuracy = {i: floats(m["logs"]).get("accuracy") for i, m in log.items()}
-    return {
-        "seconds": seconds,
-        **steps_only(steps_done - start, job),
-        "shards": shards,
-        "timed_shards": timed_shards,
-        "final_shards": list(trainer.split.shards),
-        "warmup_iterations": job["warmup"] + settle,
-        "warmup_seconds": warmup_seconds,
-        "resplits_before_timing": resplits_before,
-        "resplits_timed": (len(rebalancing.resplits) - resplits_before) if rebalancing else 0,
-        "accuracy_at_40": accuracy.get(40),
-        **accounting.stop(),
-    }
-
-
 def measure_keras(spec: Spec, job: dict) -> dict:
     import keras
     import tensorflow as tf
 
+    from tfdp.bench import timed
     from tfdp.data.arrays import train_dataset
     from tfdp.devices import short_name
     from tfdp.models import build_model, initial_weights
@@ -409,47 +333,31 @@ def measure_keras(spec: Spec, job: dict) -> dict:
                 metrics=["accuracy"],
             )
         model.set_weights(initial)
+    # one fit: the clock starts at the end of the warm-up's last step, as tfdp's rows' does
+    warmup, iterations = job["warmup"], job["iterations"]
+    clock = timed.keras_window(warmup, iterations)
     running = {}
 
     class RunningAccuracy(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            running["last step done"] = time.perf_counter()
             if batch in (39, 40):
-                running[batch] = logs["accuracy"]
+                running[batch] = float(logs["accuracy"])
 
-    def fit(iterations, callbacks=()):
-        dataset = train_dataset(arrays, job["batch_size"], 0)
-        model.fit(
-            dataset, steps_per_epoch=iterations, epochs=1, verbose=0, callbacks=list(callbacks)
-        )
-
-    fit(job["warmup"])
-    model.set_weights(initial)
-    accounting = CpuAccounting()
-    start = time.perf_counter()
-    fit(job["iterations"], [RunningAccuracy()])
-    seconds = time.perf_counter() - start
+    dataset = train_dataset(arrays, job["batch_size"], 0)
+    model.fit(
+        dataset,
+        steps_per_epoch=warmup + iterations,
+        epochs=1,
+        verbose=0,
+        callbacks=[clock, RunningAccuracy()],
+    )
     # Keras logs a running mean over the epoch; batch 40's own accuracy follows from two of them.
     accuracy_40 = 41 * running[40] - 40 * running[39] if 40 in running else None
     return {
-        "seconds": seconds,
-        **steps_only(running["last step done"] - start, job),
+        "seconds": clock.window.seconds,
         "accuracy_at_40": accuracy_40,
         "device_list": [short_name(d) for d in devices],
-        **accounting.stop(),
-    }
-
-
-def steps_only(seconds: float, job: dict) -> dict:
-    """The run's time until its last step was done, before anything is torn down.
-
-    `seconds` (the run's whole time) also covers deleting its input iterator,
-    which tf.distribute's iterators can hold up (BUILD_NOTES, "tf.data
-    autotuning: off"); this tells the two apart.
-    """
-    return {
-        "steps_seconds": seconds,
-        "images_per_second_steps": job["iterations"] * job["batch_size"] / seconds,
+        **clock.window.cpu,
     }
 
 
@@ -474,10 +382,7 @@ def run_worker(job: dict) -> dict:
     )
     if spec.system == "matmul":
         return {**measure_matmul(), "onednn": onednn.enabled()}
-    if spec.mode == "multiworker":
-        measure = measure_multiworker
-    else:
-        measure = measure_tfdp if spec.system == "tfdp" else measure_keras
+    measure = measure_tfdp if spec.system == "tfdp" else measure_keras
     result = measure(spec, job)
     result["images_per_second"] = job["iterations"] * job["batch_size"] / result["seconds"]
     result["onednn"] = onednn.enabled()
@@ -586,9 +491,6 @@ def summarize(specs, measurements, batch_size, iterations, model="lenet") -> lis
                 "images_per_second_min": min(rates),
                 "images_per_second_max": max(rates),
                 "seconds": statistics.median(m["seconds"] for m in runs),
-                "images_per_second_steps": statistics.median(
-                    m["images_per_second_steps"] for m in runs
-                ),
                 "iterations": iterations,
                 "vs_tfdp_single": median[spec.name] / median["tfdp single"]
                 if "tfdp single" in median
@@ -734,7 +636,7 @@ def run_mixed(mnist_dir) -> None:
             if out:
                 record = {"round": round_index + 1, **job, **measured}
                 out.write(json.dumps(record) + "\n")
-    rows = bench_mixed.summarize(specs, measurements, FLAGS.iterations)
+    rows = bench_mixed.summarize(specs, measurements)
     print()
     print(bench_mixed.format_table(rows))
     if out:

@@ -90,6 +90,7 @@ def run(
     callbacks=None,
     verbose="auto",
     validation=None,
+    hooks=(),
 ) -> dict:
     """Trains as planned; logs like the tutorial; returns the result dict.
 
@@ -97,6 +98,7 @@ def run(
     `verbose` is 0, its progress bar (`hooks.keras.KerasCallbacks`); with them the
     result has the History as `result.history`, and `validation` (data, batch size,
     steps, freq) is Keras' validation at the epochs' ends. None: no Keras callbacks.
+    hooks: more `loop.Hook`s, called after tfdp's own (a benchmark's clock, say).
 
     With `model_dir`, holds its lock (`lock.ModelDirLock`), resumes from its
     latest good checkpoint, saves every `checkpoint_every` steps and at the
@@ -110,13 +112,13 @@ def run(
     config = plan.config
     trainer = build_trainer(config, plan.devices, plan.shards, plan.model)
     try:
-        result = run_trainer(plan, trainer, log, callbacks, verbose, validation)
+        result = run_trainer(plan, trainer, log, callbacks, verbose, validation, hooks)
     finally:
         trainer.close()  # the model's own variables again, with the trained values
     return result
 
 
-def run_trainer(plan: Plan, trainer, log, callbacks, verbose, validation) -> dict:
+def run_trainer(plan: Plan, trainer, log, callbacks, verbose, validation, more_hooks) -> dict:
     """`run` with the trainer made."""
     config = plan.config
     locked = config.model_dir and trainer.exchange.is_chief  # only the chief writes model_dir
@@ -153,7 +155,7 @@ def run_trainer(plan: Plan, trainer, log, callbacks, verbose, validation) -> dic
         state.iterator, state.input_note = stream_iterator(plan, trainer, checkpointer, cursor)
         state.seek_input = lambda cursor: stream_iterator(plan, trainer, None, cursor)[0]
         hooks, keras_callbacks = default_hooks(
-            state, checkpointer, signals, probe, callbacks, verbose, validation
+            state, checkpointer, signals, probe, callbacks, verbose, validation, more_hooks
         )
         try:
             train_loop(state, hooks)

@@ -29,7 +29,14 @@ from tfdp.run.observe import Summaries
 
 
 def default(
-    state: Run, checkpointer, signals, probe, callbacks=None, verbose="auto", validation=None
+    state: Run,
+    checkpointer,
+    signals,
+    probe,
+    callbacks=None,
+    verbose="auto",
+    validation=None,
+    more=(),
 ) -> tuple[Hooks, KerasCallbacks | None]:
     """The hooks of a run (`training.run`), in the order the loop calls them, and the
     KerasCallbacks among them (None without `callbacks`: the run then has no History).
@@ -39,6 +46,7 @@ def default(
     signals: the run's `signals.StopSignals`.
     probe: where rebalancing carries on from (`balancers.DeviceBalancer.set_up`).
     callbacks, verbose, validation: `training.run`'s, for `KerasCallbacks`.
+    more: `training.run`'s own hooks, called last.
     """
     plan, trainer = state.plan, state.trainer
     config, chief = plan.config, trainer.exchange.is_chief
@@ -71,6 +79,7 @@ def default(
             TrainSummaries(summaries) if summaries else None,
             checkpoints,
             StopOnSignal(signals, checkpoints),
+            *more,
         ]
     )
     return hooks, keras_callbacks
