@@ -528,3 +528,21 @@ def test_the_example_cnn_reports_its_own_learning_rate(tmp_path):
                 if v.tag == "learning_rate"
             ]
     assert rates == pytest.approx([2e-3, 2e-3])
+
+
+def test_the_example_cnn_is_evaluated_on_one_device_at_the_tutorials_batch(tmp_path):
+    """The example CNN on one device, batch 1024, a test set whose last batch is short:
+    the evaluation at the end runs (the cut of a short batch once took a branch whose adds
+    Grappler rewrote into a per-step temporary variable: AlreadyExists in the test step)."""
+    (tmp_path / "mnist").mkdir()
+    helpers.write_mnist_dir(tmp_path / "mnist", 1024, 3000)
+    config = Config(
+        mode="single",
+        model=os.path.join(helpers.ROOT, "examples", "mnist_cnn.py") + ":make_model",
+        mnist_dir=str(tmp_path / "mnist"),
+        batch_size=1024,
+        iterations=1,
+    )
+    result, lines = helpers.train(config)
+    assert 0 <= result["test_accuracy"] <= 1
+    assert lines[-1].startswith("iteration 1, test accuracy") and "(3000 examples)" in lines[-1]

@@ -31,10 +31,10 @@ def piece_sizes(examples, weights) -> tf.Tensor:
     short = tf.logical_and(
         tf.reduce_any(tf.logical_and(sizes == 0, taking > 0)), n >= tf.reduce_sum(taking)
     )
-    sizes = tf.cond(
-        short, lambda: taking + _largest_remainder(n - tf.reduce_sum(taking), weights), lambda: sizes
-    )
-    return tf.cast(sizes, tf.int32)
+    # both cuts are a few integer ops: one `where`, no branch of its own (Grappler
+    # rewrote a branch's adds into a per-step temporary variable: AlreadyExists)
+    one_each = taking + _largest_remainder(tf.maximum(n - tf.reduce_sum(taking), 0), weights)
+    return tf.cast(tf.where(short, one_each, sizes), tf.int32)
 
 
 def _largest_remainder(n, weights):
