@@ -64,7 +64,7 @@ def logical_cpus_for(devices: list[str]) -> int:
 
 def _config(spec: MixedSpec, job: dict):
     from tfdp import Config
-    from tfdp.bench.table import SYNTHETIC
+    from tfdp.bench.timed import SYNTHETIC
 
     return Config(
         mode="weighted",

@@ -240,7 +240,7 @@ def measure_tfdp(spec: Spec, job: dict) -> dict:
     config = Config(
         mode=spec.mode,
         model=job.get("model", "lenet"),
-        dataset=SYNTHETIC if job["synthetic"] else "mnist",
+        dataset=timed.SYNTHETIC if job["synthetic"] else "mnist",
         mnist_dir=job["mnist_dir"],
         devices=",".join(short_name(d) for d in devices),
         powers=spec.powers,
@@ -283,18 +283,6 @@ def measure_tfdp(spec: Spec, job: dict) -> dict:
         "device_seconds": result["device_seconds"],
         **{k: v for k, v in result.items() if k.endswith("cpu_seconds") or k.startswith("steal")},
     }
-
-
-SYNTHETIC = "tfdp.bench.table:synthetic_mnist"  # --synthetic: the rows' dataset
-
-
-def synthetic_mnist():
-    """`--synthetic`'s training data for the `tfdp` command's rows (`--dataset`): random
-    images of MNIST's shape, no validation."""
-    from tfdp.data import mnist
-
-    arrays = mnist.synthetic_mnist()
-    return (arrays.images.astype("float32") / 255.0, arrays.labels), None
 
 
 def user_function(job: dict):

@@ -128,3 +128,15 @@ def run(config, warmup: int, iterations: int, halves_asked: bool = False) -> dic
         **window.cpu,
         **halves,
     }
+
+
+SYNTHETIC = "tfdp.bench.timed:synthetic_mnist"  # --synthetic: the rows' dataset
+
+
+def synthetic_mnist():
+    """`--synthetic`'s training data for the `tfdp` command's rows (`--dataset`): random
+    images of MNIST's shape, no validation."""
+    from tfdp.data import mnist
+
+    arrays = mnist.synthetic_mnist()
+    return (arrays.images.astype("float32") / 255.0, arrays.labels), None
