@@ -149,7 +149,7 @@ def measure(spec: MixedSpec, job: dict) -> dict:
 
     result = timed.run(_config(spec, job), job["warmup"], job["iterations"], halves_asked=True)
     return {
-        **{k: v for k, v in result.items() if k.endswith("cpu_seconds") or k.startswith("steal")},
+        **timed.cpu_of(result),
         "seconds": result["seconds"],
         "images_per_second": result["images_per_second"],
         "images_per_second_second_half": result["images_per_second_second_half"],

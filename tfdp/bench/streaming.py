@@ -67,7 +67,7 @@ import time
 
 from tfdp.bench import records
 from tfdp.bench.spec import Spec, device_names
-from tfdp.bench.timed import busy_seconds
+from tfdp.bench.timed import CpuSpan
 
 FILES = records.FILES  # TFRecord files the dataset is written in
 IMAGE_SHAPE = (32, 32, 3)
@@ -226,23 +226,18 @@ def step_clock(warmup: int, steps: int):
     machine, what the row had to share the cores with)."""
     import keras
 
-    from tfdp.run.observe import CpuAccounting
-
     class StepClock(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
-            self.ends, self.accounting, self.cpu, self.busy = [], None, {}, None
+            self.ends, self.span, self.cpu = [], None, {}
 
         def on_train_batch_end(self, batch, logs=None):
             float(logs["loss"])
             self.ends.append(time.perf_counter())
             if len(self.ends) == warmup:
-                self.accounting, self.busy = CpuAccounting(), busy_seconds()
+                self.span = CpuSpan()
             elif len(self.ends) == warmup + steps:
-                self.cpu = self.accounting.stop()
-                busy = busy_seconds()
-                if self.busy is not None and busy is not None and "cpu_seconds" in self.cpu:
-                    self.cpu["others_cpu_seconds"] = busy - self.busy - self.cpu["cpu_seconds"]
+                self.cpu = self.span.stop()
 
     return StepClock()
 

@@ -281,7 +281,7 @@ def measure_tfdp(spec: Spec, job: dict) -> dict:
         "intra_op_threads_asked": spec.intra_op_threads if multiworker else None,
         # each device's (worker's) median seconds per step over the last window, sleep included
         "device_seconds": result["device_seconds"],
-        **{k: v for k, v in result.items() if k.endswith("cpu_seconds") or k.startswith("steal")},
+        **timed.cpu_of(result),
     }
 
 

@@ -16,6 +16,21 @@ from tfdp.run.loop import Hook
 from tfdp.run.observe import CpuAccounting
 
 
+class CpuSpan:
+    """The CPU this process uses from its making to `stop`, and the machine's busy time
+    besides it (other processes: on a shared machine, what a row shared the cores with)."""
+
+    def __init__(self):
+        self.accounting, self.busy = CpuAccounting(), busy_seconds()
+
+    def stop(self) -> dict:
+        cpu = self.accounting.stop()
+        busy = busy_seconds()
+        if self.busy is not None and busy is not None and "cpu_seconds" in cpu:
+            cpu["others_cpu_seconds"] = busy - self.busy - cpu["cpu_seconds"]
+        return cpu
+
+
 class Window:
     """The end of the warm-up's last step and of the last timed step, each stamped once
     that step is done (its loss read), and the CPU this process and the machine used
@@ -36,12 +51,9 @@ class Window:
         float(loss)  # the step is done
         self.ends.append(time.perf_counter())
         if step == self.first:
-            self.accounting, self.busy = CpuAccounting(), busy_seconds()
-            return
-        self.cpu = self.accounting.stop()
-        busy = busy_seconds()
-        if self.busy is not None and busy is not None and "cpu_seconds" in self.cpu:
-            self.cpu["others_cpu_seconds"] = busy - self.busy - self.cpu["cpu_seconds"]
+            self.span = CpuSpan()
+        else:
+            self.cpu = self.span.stop()
 
     @property
     def seconds(self) -> float:
@@ -77,6 +89,11 @@ def keras_window(warmup: int, iterations: int):
             self.window.step_done(batch, logs["loss"])
 
     return WindowCallback()
+
+
+def cpu_of(result: dict) -> dict:
+    """The CPU fields of `run`'s result (`CpuSpan`'s over the timed steps)."""
+    return {k: v for k, v in result.items() if k.endswith("cpu_seconds") or k.startswith("steal")}
 
 
 def busy_seconds() -> float | None:
