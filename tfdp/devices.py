@@ -14,7 +14,9 @@ _DEVICE_RE = re.compile(r"^/?(?:device:)?(cpu|gpu)(?::(\d+))?$", re.IGNORECASE)
 _WORKER_RE = re.compile(r"^(chief|worker):\d+$")
 
 
-def split_batch(global_batch: int, powers: Sequence[float], few: bool = False) -> list[int]:
+def split_batch(
+    global_batch: int, powers: Sequence[float], few: bool = False, max_rows=None
+) -> list[int]:
     """Splits `global_batch` examples across devices in proportion to `powers`.
 
     Largest-remainder rounding: every device first gets the floor of its exact
@@ -29,6 +31,9 @@ def split_batch(global_batch: int, powers: Sequence[float], few: bool = False) -
         powers: one positive, finite relative speed per device.
         few: a batch with fewer examples than devices is split too (some devices
             get none, as tf.distribute leaves a replica without examples).
+        max_rows: the most examples each device takes (None: no limit). The split
+            follows the powers up to each cap; what a capped device cannot take goes
+            to the others by their powers (`capped_split`).
 
     Returns:
         The number of examples for each device, in the order of `powers`.
@@ -58,22 +63,17 @@ def split_batch(global_batch: int, powers: Sequence[float], few: bool = False) -
             f"is smaller than the number of devices ({len(powers)}); every device "
             "needs at least one example",
         )
-
-    # Exact rational arithmetic, so that ties are real ties, not float noise.
-    exact = [
-        fractions.Fraction(global_batch)
-        * fractions.Fraction(p)
-        / sum(map(fractions.Fraction, powers))
-        for p in powers
-    ]
-    shares = [math.floor(e) for e in exact]
-    missing = global_batch - sum(shares)
-    by_remainder = sorted(range(len(powers)), key=lambda i: (shares[i] - exact[i], i))
-    for i in by_remainder[:missing]:
-        shares[i] += 1
-
-    if min(shares) == 0 and not few:
-        starved = shares.index(0)
+    if max_rows is not None:
+        max_rows = checked_max_rows(max_rows, len(powers))
+        if global_batch > sum(max_rows):
+            raise ConfigError(
+                "max_rows", list(max_rows),
+                f"holds {sum(max_rows)} examples in a step, fewer than the batch of {global_batch}",
+            )
+    shares = capped_split(global_batch, powers, max_rows)
+    starved = [i for i, s in enumerate(shares) if s == 0 and (max_rows is None or max_rows[i])]
+    if starved and not few:
+        starved = starved[0]
         raise ConfigError(
             "powers",
             powers,
@@ -81,6 +81,60 @@ def split_batch(global_batch: int, powers: Sequence[float], few: bool = False) -
             "power or the batch size",
         )
     return shares
+
+
+def capped_split(total: int, weights: Sequence[float], max_rows=None) -> list[int]:
+    """`total` examples over weights, each device within its cap (None: no caps), by
+    largest remainder: the rule of engine/pieces.py's `piece_sizes`, on the host.
+
+    Capped water-filling: the uncapped devices share what the capped ones leave by
+    their weights; a device whose share would pass its cap takes its cap and leaves
+    the sharing, until no share passes its cap. Needs `total` <= the caps' sum.
+    """
+    count = len(weights)
+    caps = [math.inf] * count if max_rows is None else list(max_rows)
+    capped = [False] * count
+    for _ in range(count + 1):
+        held = sum(c for c, fixed in zip(caps, capped) if fixed)
+        free = [0 if fixed else w for w, fixed in zip(weights, capped)]
+        shares = _largest_remainder(max(total - held, 0), free)
+        over = [not fixed and s > c for s, c, fixed in zip(shares, caps, capped)]
+        if not any(over):
+            break
+        capped = [a or b for a, b in zip(capped, over)]
+    return [c if fixed else s for s, c, fixed in zip(shares, caps, capped)]
+
+
+def _largest_remainder(total: int, weights: Sequence[float]) -> list[int]:
+    """Floors of the exact shares, then one more to the largest remainders (ties to the
+    earlier), in exact rational arithmetic, so that ties are real ties, not float noise."""
+    weight = sum(map(fractions.Fraction, weights))
+    if weight == 0:
+        return [0] * len(weights)
+    exact = [fractions.Fraction(total) * fractions.Fraction(w) / weight for w in weights]
+    shares = [math.floor(e) for e in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (shares[i] - exact[i], i))
+    for i in by_remainder[: total - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def checked_max_rows(max_rows, count: int) -> tuple[int, ...]:
+    """`max_rows` as whole numbers of examples, one per device (or worker), at least one
+    example in all; else a ConfigError naming max_rows and its value."""
+    if isinstance(max_rows, str) or not hasattr(max_rows, "__len__"):
+        raise ConfigError(
+            "max_rows", max_rows, "must be one whole number of examples per device, or 'auto'"
+        )
+    caps = list(max_rows)
+    if len(caps) != count:
+        raise ConfigError("max_rows", caps, f"needs one cap per device ({count}), got {len(caps)}")
+    for cap in caps:
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap != int(cap) or cap < 0:
+            raise ConfigError("max_rows", caps, f"{cap!r} is not a whole number of examples >= 0")
+    if sum(caps) < 1:
+        raise ConfigError("max_rows", caps, "hold no example in all: give at least one")
+    return tuple(int(c) for c in caps)
 
 
 def even_split(global_batch: int, num_replicas: int) -> list[int]:

@@ -14,42 +14,69 @@ dataset it distributes (`by_share`), short batches alike.
 
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
 
 from tfdp import internals
 from tfdp.data.leaves import first, rows
 
 
-def piece_sizes(examples, weights) -> tf.Tensor:
+def piece_sizes(examples, weights, caps=None) -> tf.Tensor:
     """The rows of each replica's piece of a batch of `examples` rows (int32): the largest
     remainder, or, where that leaves a replica of positive weight without a row and the
-    batch has a row for each, one row each and the rest by largest remainder."""
+    batch has a row for each, one row each and the rest by largest remainder. With `caps`
+    (the most rows each replica takes; the batch within their sum), capped water-filling:
+    what a capped replica cannot take goes to the others by their weights."""
     n = tf.cast(examples, tf.int64)
     weights = tf.cast(weights, tf.float64)
-    taking = tf.cast(weights > 0, tf.int64)
-    sizes = _largest_remainder(n, weights)
+    if caps is None:
+        taking = tf.cast(weights > 0, tf.int64)
+        share = _largest_remainder
+    else:
+        caps = tf.cast(caps, tf.int64)
+        taking = tf.cast(tf.logical_and(weights > 0, caps > 0), tf.int64)
+        share = functools.partial(_capped, caps=caps)
+    sizes = share(n, weights)
     short = tf.logical_and(
         tf.reduce_any(tf.logical_and(sizes == 0, taking > 0)), n >= tf.reduce_sum(taking)
     )
     # both cuts are a few integer ops: one `where`, no branch of its own (Grappler
     # rewrote a branch's adds into a per-step temporary variable: AlreadyExists)
-    one_each = taking + _largest_remainder(tf.maximum(n - tf.reduce_sum(taking), 0), weights)
+    rest = tf.maximum(n - tf.reduce_sum(taking), 0)
+    if caps is None:
+        one_each = taking + _largest_remainder(rest, weights)
+    else:
+        one_each = taking + _capped(rest, weights, caps - taking)
     return tf.cast(tf.where(short, one_each, sizes), tf.int32)
 
 
+def _capped(n, weights, caps):
+    """`n` rows by largest remainder over `weights`, each within its cap: a replica whose
+    share would pass its cap takes its cap and leaves the sharing (as many rounds as
+    replicas; `devices.capped_split` on the host)."""
+    capped = tf.zeros(tf.shape(weights), tf.bool)
+    for _ in range(weights.shape[0] + 1):
+        held = tf.reduce_sum(tf.where(capped, caps, tf.zeros_like(caps)))
+        free = tf.where(capped, tf.zeros_like(weights), weights)
+        sizes = _largest_remainder(tf.maximum(n - held, 0), free)
+        capped = tf.logical_or(capped, sizes > caps)
+    return tf.where(capped, caps, sizes)
+
+
 def _largest_remainder(n, weights):
-    exact = tf.cast(n, tf.float64) * weights / tf.reduce_sum(weights)
+    exact = tf.math.divide_no_nan(tf.cast(n, tf.float64) * weights, tf.reduce_sum(weights))
     base = tf.cast(tf.floor(exact), tf.int64)
-    missing = tf.maximum(n - tf.reduce_sum(base), 0)
+    missing = tf.where(tf.reduce_sum(weights) > 0, tf.maximum(n - tf.reduce_sum(base), 0), 0)
     order = tf.argsort(-(exact - tf.floor(exact)), stable=True)  # ties: the earlier first
     extra = tf.scatter_nd(tf.expand_dims(order[:missing], 1), tf.ones([missing], tf.int64),
                           tf.shape(base))
     return base + extra
 
 
-def piece_bounds(examples, weights) -> tf.Tensor:
+def piece_bounds(examples, weights, caps=None) -> tf.Tensor:
     """Where a batch of `examples` rows is cut: R+1 increasing row indices, 0 to examples."""
-    sizes = tf.cast(piece_sizes(examples, weights), tf.int64)
+    sizes = tf.cast(piece_sizes(examples, weights, caps), tf.int64)
     return tf.concat([tf.zeros([1], tf.int64), tf.cumsum(sizes)], 0)
 
 
