@@ -56,7 +56,7 @@ def define_config_flags() -> None:
         default = field.default
         if meta.get("choices"):
             flags.DEFINE_enum(field.name, default, list(meta["choices"]), meta["help"])
-        elif field.name == "powers":
+        elif field.name in ("powers", "max_rows"):
             flags.DEFINE_list(field.name, list(default), meta["help"])
         elif field.type.startswith("bool"):
             flags.DEFINE_bool(field.name, default, meta["help"])
@@ -135,6 +135,17 @@ def _powers_from_flag(values: list[str]) -> tuple[float, ...] | str:
         raise ConfigError("powers", values, "must be numbers, e.g. 1,5") from None
 
 
+def _max_rows_from_flag(values: list[str]) -> tuple[int, ...] | str:
+    if values == [AUTO]:
+        return AUTO
+    try:
+        return tuple(int(v) for v in values)
+    except ValueError:
+        raise ConfigError(
+            "max_rows", ",".join(values), "must be whole numbers of examples, e.g. 512,64, or auto"
+        ) from None
+
+
 def config_from_flags() -> Config:
     """The run's Config; raises ConfigError naming the bad flag."""
     values = {
@@ -143,6 +154,7 @@ def config_from_flags() -> Config:
         if field.metadata.get("flag", True)
     }
     values["powers"] = _powers_from_flag(values["powers"])
+    values["max_rows"] = _max_rows_from_flag(values["max_rows"])
     values["progress"] = {"always": True, "never": False}.get(FLAGS.progress, sys.stderr.isatty())
     return Config(**values)
 
@@ -254,7 +266,7 @@ HELP_ARGUMENTS = ("--help", "-h", "--helpshort", "-?")
 
 # --help's order: what a first run needs first; flags not named here come last, under "other".
 HELP_GROUPS = (
-    ("what to train on", "mode devices powers batch_size logical_cpus logical_gpus"),
+    ("what to train on", "mode devices powers max_rows batch_size logical_cpus logical_gpus"),
     (
         "the model and data",
         "model dataset mnist_dir data_dir iterations epochs steps_per_epoch initial_epoch "

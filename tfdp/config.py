@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from tfdp.devices import AUTO, parse_slowdown
+from tfdp.devices import AUTO, checked_max_rows, parse_slowdown
 from tfdp.errors import ConfigError
 
 MODES = ("single", "mirrored", "weighted", "multiworker")
@@ -77,6 +77,13 @@ class Config:
         (),
         "weighted, multiworker: one relative speed per device (per worker), e.g. 1,5, or auto: "
         "measured at start-up. Default: equal.",
+    )
+    max_rows: tuple[int, ...] | str = setting(
+        (),
+        "The most examples each device (multiworker: each worker) takes in one step, e.g. "
+        "512,64 for devices of unequal memory, or auto: measured on each GPU (no cap on a "
+        "CPU). A global batch beyond their sum runs as micro-steps whose gradients make one "
+        "update. Default: no caps.",
     )
     batch_size: int | None = setting(
         None,
@@ -236,6 +243,8 @@ class Config:
             object.__setattr__(self, "dataset", DATASET_OF_MODEL.get(self.model, "mnist"))
         if self.powers != AUTO:
             object.__setattr__(self, "powers", tuple(self.powers))
+        if self.max_rows != AUTO and not isinstance(self.max_rows, str):
+            object.__setattr__(self, "max_rows", tuple(self.max_rows or ()))
         validate(self)
 
 
@@ -352,6 +361,8 @@ def validate(config: Config) -> None:
             raise ConfigError(
                 "powers", config.powers, f"every power must be a positive finite number, got {p!r}"
             )
+    if config.max_rows and config.max_rows != AUTO:
+        checked_max_rows(config.max_rows, len(config.max_rows))  # the form; the count is the run's
     _choice(config, "cluster", CLUSTERS)
     base = config.slurm_port_base
     if isinstance(base, bool) or not isinstance(base, int) or not 1 <= base <= 65535:

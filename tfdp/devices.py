@@ -137,6 +137,14 @@ def checked_max_rows(max_rows, count: int) -> tuple[int, ...]:
     return tuple(int(c) for c in caps)
 
 
+def micro_steps(global_batch: int, max_rows) -> int:
+    """The micro-steps of one update: 1 where the caps hold the global batch (or there are
+    none), else the fewest whose near-equal parts the caps hold."""
+    if not max_rows:
+        return 1
+    return max(1, -(-global_batch // sum(max_rows)))
+
+
 def even_split(global_batch: int, num_replicas: int) -> list[int]:
     """How tf.distribute splits a global batch over replicas.
 

@@ -10,7 +10,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from tfdp.devices import split_batch
+from tfdp.devices import capped_split
 
 DAMPING = 0.7  # move 70% of the way to the balanced split per re-split
 TOLERANCE = 0.05  # shares within 5% of the target (equal times: within 5%) are left alone
@@ -34,26 +34,38 @@ def imbalance(seconds: Sequence[float]) -> float:
     return max(seconds) / min(seconds) - 1.0
 
 
-def whole_shares(global_batch: int, fractions: Sequence[float]) -> list[int]:
-    """`split_batch`, but every device keeps at least one example."""
-    n = len(fractions)
-    if all(global_batch * f / sum(fractions) >= 1 for f in fractions):
-        return split_batch(global_batch, fractions)
-    shares = [1] * n  # one each, then the rest in proportion (largest remainder)
-    rest = global_batch - n
-    if rest:
-        for i, extra in enumerate(_largest_remainder(rest, fractions)):
-            shares[i] += extra
-    return shares
+def whole_shares(global_batch: int, fractions: Sequence[float], max_rows=None) -> list[int]:
+    """`split_batch` within the caps (`max_rows`, None: none), but every device that may
+    take an example (a cap above 0) keeps at least one."""
+    caps = max_rows or [global_batch] * len(fractions)
+    taking = [1 if cap > 0 else 0 for cap in caps]
+    if all(global_batch * f / sum(fractions) >= 1 for f, t in zip(fractions, taking) if t):
+        shares = capped_split(global_batch, fractions, max_rows)
+        if all(s >= t for s, t in zip(shares, taking)):
+            return shares
+    # one each, then the rest in proportion (largest remainder), within what the caps leave
+    rest = capped_split(global_batch - sum(taking), fractions,
+                        None if max_rows is None else [c - t for c, t in zip(caps, taking)])
+    return [t + r for t, r in zip(taking, rest)]
 
 
-def _largest_remainder(total: int, weights: Sequence[float]) -> list[int]:
-    exact = [total * w / sum(weights) for w in weights]
-    shares = [math.floor(e) for e in exact]
-    by_remainder = sorted(range(len(weights)), key=lambda i: (shares[i] - exact[i], i))
-    for i in by_remainder[: total - sum(shares)]:
-        shares[i] += 1
-    return shares
+def capped_target(total: float, target: Sequence[float], max_rows=None) -> list[float]:
+    """A target split within the caps: a device aimed past its cap is aimed at it, and
+    what it leaves goes to the others in proportion to their targets."""
+    target = list(target)
+    if max_rows is None:
+        return target
+    capped = [False] * len(target)
+    for _ in range(len(target)):
+        over = [not c and t > cap for t, cap, c in zip(target, max_rows, capped)]
+        if not any(over):
+            break
+        capped = [c or o for c, o in zip(capped, over)]
+        held = sum(cap for cap, c in zip(max_rows, capped) if c)
+        free = sum(t for t, c in zip(target, capped) if not c)
+        scale = (total - held) / free if free > 0 else 0.0
+        target = [float(cap) if c else t * scale for t, cap, c in zip(target, max_rows, capped)]
+    return target
 
 
 def expected_slowest(means: Sequence[float], sds: Sequence[float], points: int = 128):
@@ -243,6 +255,7 @@ class Rebalancer:
     """Proposes new shares of a fixed global batch from measured device times."""
 
     global_batch: int
+    max_rows: tuple[int, ...] | None = None  # the caps every split stays within
     damping: float = DAMPING
     tolerance: float = TOLERANCE
     min_move: float = MIN_MOVE
@@ -265,7 +278,8 @@ class Rebalancer:
     def aim(self, rates, overheads, log_variances=None) -> list[float]:
         """`target`, given the devices' `times`."""
         log_sds = [math.sqrt(v) for v in log_variances] if log_variances else [0.0] * len(rates)
-        return fastest_shares(rates, log_sds, self.global_batch, overheads)
+        target = fastest_shares(rates, log_sds, self.global_batch, overheads)
+        return capped_target(self.global_batch, target, self.max_rows)
 
     @staticmethod
     def times(shards, seconds, log_variances=None, earlier=(), steps: int = 1):
@@ -311,7 +325,7 @@ class Rebalancer:
             return list(shards)
         damping = 1.0 if first else self.damping
         moved = [s + damping * (t - s) for s, t in zip(shards, target)]
-        proposed = whole_shares(self.global_batch, moved)
+        proposed = whole_shares(self.global_batch, moved, self.max_rows)
         largest_move = max(abs(p - s) for p, s in zip(proposed, shards))
         if largest_move < self.min_move * self.global_batch:
             return list(shards)

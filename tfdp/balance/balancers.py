@@ -57,8 +57,11 @@ class DeviceBalancer:
         if not measure:
             return info, None
         probe = max(1, probes.split.global_batch_size // len(probes.split.devices))  # an even share
+        caps = probes.split.max_rows
+        if caps:  # each device alone within its cap
+            probe = min(probe, min(c for c in caps if c > 0))
         rates = balance.measure_powers(probes, timing_examples(train_data, probe, log))
-        alone = balance.whole_shares(probes.split.global_batch_size, rates)
+        alone = balance.whole_shares(probes.split.global_batch_size, rates, caps)
         log(
             f"auto powers, each device alone on {probe} examples: "
             + ", ".join(f"{name} {r:.0f} images/s" for name, r in zip(names, rates))

@@ -51,7 +51,9 @@ def calibrate_slowdown(probes, batch, factors: Sequence[float], repeats: int = 3
     Returns the seconds of sleep per example each device gets.
     """
     given = list(probes.split.shards)
-    even = whole_shares(probes.split.global_batch_size, [1.0] * len(probes.split.devices))
+    even = whole_shares(
+        probes.split.global_batch_size, [1.0] * len(probes.split.devices), probes.split.max_rows
+    )
     probes.split.set(even)
     try:
         probes.together(batch)  # tracing and first-run costs are not the speed
@@ -138,7 +140,9 @@ class Rebalancing:
         self.every = every
         self.log = log
         self.unit = unit  # what the log calls a step
-        self.rebalancer = Rebalancer(probes.split.global_batch_size)
+        self.rebalancer = Rebalancer(
+            probes.split.global_batch_size, getattr(probes.split, "max_rows", None)
+        )
         self.window = []
         self.window_length = min(first_window, every)  # steps in the current window
         self.split_steps = []  # device times of the current split's latest steps

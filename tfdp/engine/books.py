@@ -83,7 +83,9 @@ class Balancing:
         shares = np.asarray(strategy.books.shares.numpy(), np.float64)
         rows = [int(round(r)) for r in rows]
         if self.split is None:  # the first batch's size is the global batch balance splits
-            self.split = Split(self.devices, balance.whole_shares(sum(rows), list(shares)))
+            caps = strategy.max_rows
+            self.split = Split(self.devices, balance.whole_shares(sum(rows), list(shares), caps),
+                               max_rows=caps)
             if strategy.auto:
                 every = strategy.measure_steps
                 self.settling = balance.Rebalancing(

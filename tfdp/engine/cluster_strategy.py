@@ -27,6 +27,8 @@ class MultiWorkerMirroredStrategy(UnevenShares, tf.distribute.MultiWorkerMirrore
       cluster: where the cluster comes from: "auto", "tf_config" or "slurm" (as `tfdp
         --cluster`); TF_CONFIG is set from Slurm's variables where needed.
       communication_options: as TensorFlow's.
+      max_rows: the most examples each worker takes in one step, one per worker (shared
+        evenly by a worker's replicas); as in `tfdp.MirroredStrategy`.
       rebalance_every, measure_steps, simulate_slowdown, batch_statistics: as in
         `tfdp.MirroredStrategy`.
     """
@@ -41,12 +43,13 @@ class MultiWorkerMirroredStrategy(UnevenShares, tf.distribute.MultiWorkerMirrore
         measure_steps=5,
         simulate_slowdown=None,
         batch_statistics="whole",
+        max_rows=None,
         **settings,
     ):
         find_cluster(Config(mode="multiworker", cluster=cluster, **settings))
         super().__init__(communication_options=communication_options)
         self._set_up_shares(powers, rebalance_every, measure_steps, simulate_slowdown,
-                            batch_statistics)
+                            batch_statistics, max_rows)
 
 
 _strategy = None

@@ -16,7 +16,7 @@ import os
 import tensorflow as tf
 
 from tfdp.config import MODELS
-from tfdp.devices import AUTO, default_chains
+from tfdp.devices import AUTO, checked_max_rows, default_chains, micro_steps
 from tfdp.engine.strategy import MirroredStrategy
 from tfdp.engine.trainer import Trainer
 
@@ -62,10 +62,12 @@ def build_trainer(config, devices: list[str], shards: list[int], model=None) -> 
 
     model = model if model is not None else models.built_in(config, build=True)
     jit_compile = bool(config.jit_compile or model.jit_compile)
+    caps = max_rows_of(config, len(shards))
+    steps = micro_steps(config.batch_size, caps)
     if config.mode == "multiworker":
         from tfdp.engine import multiworker
 
-        return multiworker.build(config, shards, model, jit_compile)
+        return multiworker.build(config, shards, model, jit_compile, caps, steps)
     slowdown = bool(config.simulate_slowdown)
     # The host clock in the step (a device-to-host sync on a GPU) only where it is read.
     timed = config.powers == AUTO or bool(config.rebalance_every) or slowdown
@@ -85,13 +87,15 @@ def build_trainer(config, devices: list[str], shards: list[int], model=None) -> 
             slowdown=slowdown,
             timed=timed,
             jit_compile=jit_compile,
+            max_rows=caps,
+            micro_steps=steps,
         )
     # By default, only the built-in models are cut into chains: the threads per kernel
     # are chosen for them before TensorFlow starts (devices.default_intra_op_threads),
     # and chains would compute batch statistics on parts of a shard.
     chains = config.chains or (
         default_chains(devices, os.cpu_count() or 1)
-        if config.model in MODELS and not models.has_batch_statistics(model)
+        if config.model in MODELS and not models.has_batch_statistics(model) and steps == 1
         else 1
     )
     # No strategy: Keras' own step on the device, as model.fit runs it; one replica of
@@ -99,5 +103,12 @@ def build_trainer(config, devices: list[str], shards: list[int], model=None) -> 
     strategy = local_strategy(devices, shards) if timed else None
     return Trainer(
         model, strategy, devices, shards, slowdown=slowdown, timed=timed,
-        jit_compile=jit_compile, chains=chains,
+        jit_compile=jit_compile, chains=chains, max_rows=caps, micro_steps=steps,
     )
+
+
+def max_rows_of(config, count: int):
+    """The run's caps, one per device (or worker); None for none."""
+    if config.max_rows in ((), AUTO):
+        return None
+    return checked_max_rows(config.max_rows, count)

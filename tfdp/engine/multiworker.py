@@ -92,7 +92,9 @@ class WorkerProbes(Probes):
         """
         rates = self.exchange.gather(int(num_examples(batch)) / self.own_seconds(batch))
         powers = [round(r / max(rates), 4) for r in rates]
-        self.split.set(split_batch(self.split.global_batch_size, powers))
+        self.split.set(
+            split_batch(self.split.global_batch_size, powers, max_rows=self.split.max_rows)
+        )
         return {"devices": self.workers, "images_per_second": rates, "powers": powers}
 
     def calibrate_slowdown(self, batch, factors: dict) -> dict:
@@ -118,7 +120,8 @@ class MultiWorkerTrainer(Trainer):
     unit = "worker(s)"
     _Balancer, _Probes = WorkerBalancer, WorkerProbes
 
-    def __init__(self, strategy, cluster, model, shards, config, jit_compile=False):
+    def __init__(self, strategy, cluster, model, shards, config, jit_compile=False,
+                 max_rows=None, micro_steps=1):
         """
         Args:
           strategy: from `join_cluster`.
@@ -128,6 +131,8 @@ class MultiWorkerTrainer(Trainer):
           shards: examples per worker; they sum to the global batch.
           config: the run's settings; they must be the same on every worker.
           jit_compile: the model asks for XLA (see `Trainer`).
+          max_rows, micro_steps: each worker's cap, and the micro-steps of an update (see
+            `Trainer`).
         """
         self.workers = list(cluster.workers)
         self.index = cluster.index
@@ -145,6 +150,8 @@ class MultiWorkerTrainer(Trainer):
             slowdown=slowdown,
             timed=timed,
             jit_compile=jit_compile,
+            max_rows=max_rows,
+            micro_steps=micro_steps,
         )
         self.exchange = Cluster(strategy, self.workers, self.index, cluster.is_chief)
         strategy.send_along(self.exchange.signals_caught)
@@ -237,11 +244,12 @@ class MultiWorkerTrainer(Trainer):
 
 
 
-def build(config, shards, model, jit_compile=False) -> MultiWorkerTrainer:
-    """The trainer of `modes.build_trainer` for mode multiworker."""
+def build(config, shards, model, jit_compile=False, max_rows=None, micro_steps=1) -> MultiWorkerTrainer:
+    """The trainer of `modes.build_trainer` for mode multiworker (`max_rows`: per worker)."""
     strategy = join_cluster(config)
     strategy.batch_statistics = config.batch_statistics
-    return MultiWorkerTrainer(strategy, find_cluster(config), model, shards, config, jit_compile)
+    return MultiWorkerTrainer(strategy, find_cluster(config), model, shards, config, jit_compile,
+                              max_rows, micro_steps)
 
 
 def initial_weights(config, weights) -> Agreed:

@@ -204,15 +204,22 @@ def _concat(pieces):
         return tf.sparse.concat(0, pieces)
     return tf.concat(pieces, 0)
 
-def by_share(dataset, weights, first, local):
+def by_share(dataset, weights, first, local, caps=None):
     """Replicas first..first+local-1's pieces of each batch of `dataset`, in turn, cut by
-    `weights` (a variable: batches cut after it changes take the new weights)."""
+    `weights` (a variable: batches cut after it changes take the new weights), each within
+    its cap (`caps`; a batch beyond their sum fails, naming them)."""
     structure = dataset.element_spec
 
     def pieces(*element):
         batch = element if isinstance(structure, tuple) else element[0]
         leaves = tf.nest.flatten(batch)
-        bounds = piece_bounds(rows_of(leaves), weights)
+        rows = rows_of(leaves)
+        checks = []
+        if caps is not None:
+            checks = [tf.debugging.assert_less_equal(
+                rows, tf.constant(sum(caps), rows.dtype), message=f"max_rows={list(caps)}: {beyond_caps(caps)}")]
+        with tf.control_dependencies(checks):
+            bounds = piece_bounds(rows, weights, caps)
 
         def piece(index):
             start, stop = bounds[index], bounds[index + 1]
@@ -224,6 +231,25 @@ def by_share(dataset, weights, first, local):
         return tf.data.Dataset.range(first, first + local).map(piece)
 
     return dataset.flat_map(pieces)
+
+
+def beyond_caps(caps, rows=None) -> str:
+    """What a batch beyond the caps' sum is told (one line; `rows`: the batch's, if known)."""
+    batch = "a batch holds" if rows is None else f"the batch of {rows}"
+    return (
+        f"hold {sum(caps)} examples in a step, fewer than {batch}: batch the data at "
+        f"most {sum(caps)} and set the optimizer's "
+        "gradient_accumulation_steps (Keras' micro-steps), or train with tfdp.fit, "
+        "which runs the micro-steps itself"
+    )
+
+
+def static_rows(structure):
+    """The rows of a batch of `structure` where its spec says them, else None."""
+    for spec in tf.nest.flatten(structure):
+        if has_rows(spec) and spec.shape[0] is not None:
+            return int(spec.shape[0])
+    return None
 
 
 def global_batches(dataset, replicas):

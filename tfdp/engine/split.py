@@ -22,10 +22,18 @@ class Split:
       fixed: a strategy cuts the batches itself (mirrored's `input="dataset"`): the
         split cannot be set.
       unit: what the devices are ("device(s)", "worker(s)"), for the banner.
+      max_rows: the most examples each device takes in one step (None: no caps); every
+        split set stays within them.
+      micro_steps: steps of `shards` whose gradients make one update (the batch is beyond
+        the caps); `global_batch_size` is then one micro-step's.
     """
 
-    def __init__(self, devices, shards, balanced=False, fixed=False, unit="device(s)"):
+    def __init__(self, devices, shards, balanced=False, fixed=False, unit="device(s)",
+                 max_rows=None, micro_steps=1):
         self.devices = list(devices)
+        self.max_rows = None if max_rows is None else tuple(max_rows)
+        self.micro_steps = micro_steps
+        self._check(shards)
         self.shards = list(shards)
         self.global_batch_size = sum(shards)
         self.balanced = balanced
@@ -50,9 +58,18 @@ class Split:
             raise ValueError("the split cannot be set: the strategy cuts the batches itself")
         if sum(shards) != self.global_batch_size or len(shards) != len(self.devices):
             raise ValueError(f"shards {shards} do not split {self.global_batch_size} examples")
+        self._check(shards)
         self.shards = list(shards)
         if self._sizes is not None:
             self._sizes.assign(shards)
+
+    def within(self, shards) -> bool:
+        """Whether every device's share of `shards` is within its cap."""
+        return self.max_rows is None or all(s <= c for s, c in zip(shards, self.max_rows))
+
+    def _check(self, shards):
+        if not self.within(shards):
+            raise ValueError(f"shards {list(shards)} pass the caps max_rows={list(self.max_rows)}")
 
     def saved(self, step: int) -> dict | None:
         """What a checkpoint of `step` saves of the split: the run's own split, None for
@@ -63,5 +80,9 @@ class Split:
 
     def takes(self, saved: dict) -> bool:
         """Whether a split a checkpoint saved (`saved`) applies here: the same devices and
-        global batch."""
-        return saved["devices"] == self.devices and sum(saved["shards"]) == self.global_batch_size
+        global batch, within this run's caps."""
+        return (
+            saved["devices"] == self.devices
+            and sum(saved["shards"]) == self.global_batch_size
+            and self.within(saved["shards"])
+        )

@@ -39,6 +39,7 @@ from tfdp.config import BATCH_STATISTICS
 from tfdp.data.arrays import without_autotune
 from tfdp.engine import books as books_lib
 from tfdp.engine import patches, pieces, replica, shards, whole_batch
+from tfdp.devices import checked_max_rows, split_batch
 from tfdp.errors import ConfigError
 
 REDUCES = ("allreduce", "device0")
@@ -61,7 +62,7 @@ class UnevenShares:
     weighs_pieces = True  # what engine/patches.py asks of a model's strategy
 
     def _set_up_shares(self, powers, rebalance_every, measure_steps, simulate_slowdown,
-                       batch_statistics="whole"):
+                       batch_statistics="whole", max_rows=None):
         count = self.num_replicas_in_sync
         if batch_statistics not in BATCH_STATISTICS:
             raise ConfigError("batch_statistics", batch_statistics,
@@ -72,7 +73,8 @@ class UnevenShares:
         # powers=None on one machine: TensorFlow's own cut of a dataset (its static shapes
         # too), until new powers are set; the weighing in `run` makes any cut exact. (A
         # cluster's workers each read the whole batches and keep their replicas' pieces.)
-        self.tensorflows_cut = powers is None and not isinstance(
+        self.max_rows = self._replica_caps(max_rows)
+        self.tensorflows_cut = powers is None and self.max_rows is None and not isinstance(
             self, tf.distribute.MultiWorkerMirroredStrategy)
         self.rebalance_every = books_lib.checked_steps("rebalance_every", rebalance_every, allow_none=True)
         self.measure_steps = books_lib.checked_steps("measure_steps", measure_steps)
@@ -90,6 +92,24 @@ class UnevenShares:
         self._sleep_per_example = None
         self._lifted = weakref.WeakKeyDictionary()  # a tf.function -> it, over the replicas
         patches.install()
+
+    def _replica_caps(self, max_rows):
+        """The most rows each replica takes in a step, from `max_rows` (one per device; on
+        several workers, one per worker, shared evenly by its replicas); None for none."""
+        if max_rows is None:
+            return None
+        count, local = self.num_replicas_in_sync, self.local_replicas
+        if isinstance(max_rows, str) and max_rows == "auto":
+            if any("GPU" in d.upper() for d in self.extended.worker_devices):
+                raise ConfigError(
+                    "max_rows", max_rows, "is measured by tfdp.fit and the tfdp command, which "
+                    "run the model's step first; under model.fit give the caps, one per device",
+                )
+            return None  # a CPU holds what the host holds: no cap
+        if count == local:
+            return list(checked_max_rows(max_rows, count))
+        per_worker = checked_max_rows(max_rows, count // local)
+        return [c for cap in per_worker for c in split_batch(cap, [1.0] * local, few=True)]
 
     @property
     def books(self) -> books_lib.Books:
@@ -185,7 +205,7 @@ class UnevenShares:
     def piece_bounds(self, rows):
         """Where a batch of `rows` rows is cut by the shares (engine/pieces.py's rule): R+1
         increasing row indices from 0 to rows."""
-        return pieces.piece_bounds(rows, self.books.shares)
+        return pieces.piece_bounds(rows, self.books.shares, self.max_rows)
 
     # -- data ---------------------------------------------------------------------------
 
@@ -211,6 +231,10 @@ class UnevenShares:
             raise ConfigError(
                 "dataset", structure, "has no batch axis: batch it first (dataset.batch(n))"
             )
+        if self.max_rows is not None:
+            rows = pieces.static_rows(structure)
+            if rows is not None and rows > sum(self.max_rows):
+                raise ConfigError("max_rows", self.max_rows, pieces.beyond_caps(self.max_rows, rows))
         local = self.local_replicas
         # Every replica gets a piece of every batch (maybe empty), so TensorFlow's stand-ins
         # for a replica without data are never used; they cannot be made for a None (an
@@ -241,7 +265,7 @@ class UnevenShares:
 
     def _by_share(self, dataset, first):
         """Replicas first..first+local-1's pieces of each batch, cut by the shares."""
-        return pieces.by_share(dataset, self.books.shares, first, self.local_replicas)
+        return pieces.by_share(dataset, self.books.shares, first, self.local_replicas, self.max_rows)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """TensorFlow's, with the replicas' pieces by share where the shares are not
@@ -406,6 +430,13 @@ class MirroredStrategy(UnevenShares, tf.distribute.MirroredStrategy):
         uneven the pieces; one small all-reduce per layer and step), or "replica", each
         piece's own, as TensorFlow's MirroredStrategy (the moving statistics then move by
         the pieces' statistics combined by share).
+      max_rows: the most examples each replica takes in one step (devices of unequal
+        memory), e.g. [512, 64]: the shares hold up to each cap, and what a capped replica
+        cannot take goes to the others by their shares, in every batch and re-split. A
+        batch beyond their sum fails with one line that names them: batch the data within
+        their sum and set the optimizer's `gradient_accumulation_steps` (Keras' own
+        micro-steps), or train with `tfdp.fit`, which runs the micro-steps itself.
+        "auto": no cap on CPUs (measured on GPUs by `tfdp.fit` only).
 
     With powers="auto" (or rebalance_every) each step is timed on the model's own step:
     each replica's seconds from the moment every replica holds its piece to the moment its
@@ -426,6 +457,7 @@ class MirroredStrategy(UnevenShares, tf.distribute.MirroredStrategy):
         measure_steps=5,
         simulate_slowdown=None,
         batch_statistics="whole",
+        max_rows=None,
     ):
         if reduce not in REDUCES:
             raise ConfigError("reduce", reduce, f"must be one of {', '.join(REDUCES)}")
@@ -440,4 +472,4 @@ class MirroredStrategy(UnevenShares, tf.distribute.MirroredStrategy):
         super().__init__(devices, cross_device_ops=cross_device_ops)
         self.reduce_to = reduce
         self._set_up_shares(powers, rebalance_every, measure_steps, simulate_slowdown,
-                            batch_statistics)
+                            batch_statistics, max_rows)

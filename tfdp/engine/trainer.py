@@ -24,10 +24,11 @@ import tensorflow as tf
 
 from tfdp.balance.balancers import DeviceBalancer
 from tfdp.cluster.exchange import LOCAL
+from tfdp.engine import replica, whole_batch
 from tfdp.engine import shards as shards_lib
 from tfdp.engine.placement import Placement, kept
 from tfdp.engine.split import Split
-from tfdp.engine.pieces import cut, num_examples, piece_sizes
+from tfdp.engine.pieces import cut, cut_evenly, num_examples, piece_sizes
 from tfdp.engine.steps import DeviceWork, with_metrics
 
 
@@ -133,6 +134,8 @@ class Trainer:
         timed=True,
         jit_compile=False,
         chains=1,
+        max_rows=None,
+        micro_steps=1,
     ):
         """
         Args:
@@ -155,8 +158,15 @@ class Trainer:
           chains: with one replica, side-by-side pieces its batch is cut into
             (`steps.DeviceWork`: a CPU device keeps several cores busy with one-threaded
             kernels); 1: the model's train_step as it is.
+          max_rows: the most examples each of `devices` takes in one step (None: no caps).
+          micro_steps: steps of `shards` each update takes (a global batch beyond the
+            caps): each global batch is cut into this many near-equal micro-batches, run
+            one after the other, their gradients summed and applied once (`_micro_update`).
         """
-        self.split = Split(devices, shards, balanced=balanced, fixed=input != "split", unit=self.unit)
+        self.split = Split(devices, shards, balanced=balanced, fixed=input != "split",
+                           unit=self.unit, max_rows=max_rows, micro_steps=micro_steps)
+        if micro_steps > 1 and (input != "split" or chains > 1):
+            raise ValueError("micro-steps need the host's cut, in one piece per device")
         self.split.sizes  # noqa: B018 (the variable, before any step is traced)
         self.timed = timed or slowdown
         self._input = input
@@ -184,6 +194,10 @@ class Trainer:
             )
         # chains: the batch cut into pieces whose gradients are summed and applied once
         self._work = DeviceWork(model, chains, self.jit_compile) if chains > 1 else None
+        # micro-steps: a device's piece of each micro-batch, the update's gradients summed
+        self._micro = (
+            DeviceWork(model, 1, self.jit_compile, may_be_empty=True) if micro_steps > 1 else None
+        )
         self._replica_step = model.train_step if self._work is None else self._chained_step
         self._replicas_train = self._replicas_test = None  # each step one XLA program, as in Keras
         if self.jit_compile and not model.run_eagerly:
@@ -195,7 +209,7 @@ class Trainer:
 
     def notes(self) -> list[str]:
         """How the model's own train_step is run, where not as Keras runs it (once traced)."""
-        work = [] if self._work is None else self._work.notes
+        work = [*getattr(self._work, "notes", []), *getattr(self._micro, "notes", [])]
         return [*self._notes, *work, *getattr(self.strategy, "notes", [])]
 
     # --- the data
@@ -262,6 +276,8 @@ class Trainer:
         """The model's train_step on every replica's piece of `batch` (its update): the
         logs it returned (each holds the whole batch's: the strategy reads them so), each
         device's seconds, and `steps` 1."""
+        if self._micro is not None:
+            return self._micro_update(batch)
         pieces = self._pieces(batch)
         if self._replicas_train is not None:  # XLA
             logs = self._replicas_train(pieces)
@@ -305,6 +321,40 @@ class Trainer:
         if gradients:  # (a model without trainable weights has nothing to update)
             self.model.optimizer.apply_gradients(zip(gradients, self._work.variables))
         return with_metrics(self.model, logs)
+
+    def _micro_update(self, batch):
+        """One update of a global batch beyond the devices' caps: the batch cut into
+        `split.micro_steps` near-equal micro-batches (the earlier one row longer), each cut
+        over the replicas by the split (within the caps); every replica runs the model's
+        train_step on its pieces one after the other, each piece's loss weighed by its
+        rows over the whole global batch's, and the summed gradients make one update."""
+        examples = num_examples(batch)
+        micro = [self._pieces(part) for part in cut_evenly(batch, self.split.micro_steps)]
+        logs = self.run(self._micro_steps, (micro, examples))
+        self._outputs_like = {"logs": logs, "device_seconds": self._seconds(), "steps": tf.constant(1)}
+        return self._outputs_like
+
+    def _micro_steps(self, args):
+        """A replica's micro-steps (`_micro_update`): its logs as the whole batch gives them."""
+        micro, examples = args
+        model, gradients, logs = self.model, None, None
+        with shards_lib.handing_over(model):
+            for piece in micro:
+                if gradients is not None:  # one after the other: a micro-step's memory is
+                    piece = _after_all(piece, gradients)  # freed before the next one starts
+                piece_logs, piece_gradients, held = self._micro.train_either(piece, examples)
+                if gradients is None:
+                    logs, gradients = piece_logs, piece_gradients
+                    continue
+                logs = tf.nest.map_structure(lambda new, old: tf.where(held, new, old), piece_logs, logs)
+                gradients = [shards_lib.add_gradients(a, b) for a, b in zip(gradients, piece_gradients)]
+        if gradients:  # (a model without trainable weights has nothing to update)
+            model.optimizer.apply_gradients(zip(gradients, self._micro.variables))
+        step = replica.current()
+        if step is None:  # one device, without a strategy
+            return with_metrics(model, logs)
+        return whole_batch.logs(model, logs, step.fraction, tf.distribute.get_replica_context(),
+                                step.all_reduce)
 
     def _test(self, batch):
         return self._test_pieces(self._pieces(batch))
@@ -418,3 +468,10 @@ class Trainer:
 
 def _eager(function):
     return function
+
+
+def _after_all(batch, gradients):
+    """`batch`, read only once every one of `gradients` is computed."""
+    leaves = [g.values if isinstance(g, tf.IndexedSlices) else g for g in gradients]
+    with tf.control_dependencies([g for g in leaves if g is not None]):
+        return tf.nest.map_structure(tf.identity, batch, expand_composites=True)

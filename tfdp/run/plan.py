@@ -19,7 +19,9 @@ from tfdp.data.epochs import Schedule
 from tfdp.data.inputs import Inputs
 from tfdp.devices import (
     available_devices,
+    checked_max_rows,
     even_split,
+    micro_steps,
     parse_devices,
     parse_slowdown,
     short_name,
@@ -134,12 +136,21 @@ def default_devices(mode: str, available: list[str]) -> str:
 
 
 def partition(config: Config, devices: list[str]) -> list[int]:
-    """Examples per device for the config's mode."""
+    """Examples per device for the config's mode: of the global batch, or, where the
+    devices' caps (`--max_rows`) hold less, of one micro-step (`micro_steps`)."""
     n, batch = len(devices), config.batch_size
     if config.mode == "single" and n != 1:
         raise ConfigError("devices", config.devices, f"mode single runs on one device, got {n}")
+    caps = given_max_rows(config, len(devices))
+    if caps is not None:
+        batch = -(-batch // micro_steps(batch, caps))  # the largest micro-step
+    if config.mode == "mirrored" and caps is not None and config.mirrored_input != "split":
+        raise ConfigError(
+            "max_rows", list(caps),
+            "cuts each batch on the host: give --mirrored_input=split (the dataset's own cut is even)",
+        )
     if config.mode == "mirrored" and config.mirrored_input == "split":
-        return split_batch(batch, (1.0,) * n, few=True)
+        return split_batch(batch, (1.0,) * n, few=True, max_rows=caps)
     if config.mode == "mirrored":
         return even_split(batch, n)
     # auto powers start from an even split; the measurement replaces it (see balance/balancers.py).
@@ -151,7 +162,15 @@ def partition(config: Config, devices: list[str]) -> list[int]:
             f"has {len(powers)} values for {n} devices "
             f"({', '.join(short_name(d) for d in devices)})",
         )
-    return split_batch(batch, powers, few=True)
+    return split_batch(batch, powers, few=True, max_rows=caps)
+
+
+def given_max_rows(config: Config, count: int) -> tuple[int, ...] | None:
+    """The caps the config gives, one per device (mode multiworker: per worker); None for
+    none (or measured: `--max_rows=auto`)."""
+    if config.max_rows in ((), AUTO):
+        return None
+    return checked_max_rows(config.max_rows, count)
 
 
 def check_balancing(config: Config, devices: list[str]) -> None:
