@@ -4,8 +4,12 @@ The split follows the powers up to each cap, and what a capped device cannot tak
 the others by their powers, in every cut (the host's and the step's), every door and
 every re-split; a bad cap is one line naming `max_rows` before anything runs."""
 
+import keras
 import numpy as np
 import pytest
+import tensorflow as tf
+
+import tfdp
 
 from tfdp import ConfigError, split_batch
 from tfdp.devices import capped_split
@@ -94,3 +98,172 @@ def test_a_cap_that_cannot_hold_the_split_is_one_line_naming_max_rows(caps, says
         split_batch(64, [1, 3], max_rows=caps)
     assert error.value.field == "max_rows"
     assert says in str(error.value) and "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------------ a run within the caps
+
+
+def _model(normalize=False):
+    keras.utils.set_random_seed(1)
+    layers = [keras.Input((8,))]
+    if normalize:  # batch statistics, before anything trained moves them
+        layers.append(keras.layers.BatchNormalization(momentum=0.5))
+    layers += [keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)]
+    model = Recording(layers)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def _data(rows=200):
+    random = np.random.default_rng(0)
+    return (random.normal(size=(rows, 8)).astype("float32"),
+            random.integers(0, 3, rows).astype("int32"))
+
+
+PIECES = []  # (replica, rows) of every piece a step of a `Recording` model ran on
+
+
+def _record(replica, rows):
+    PIECES.append((int(replica), int(rows)))
+    return np.int32(0)
+
+
+class Recording(keras.Sequential):
+    """A Sequential model that records the rows of every piece its train_step gets."""
+
+    def train_step(self, data):
+        context = tf.distribute.get_replica_context()
+        replica = 0 if context is None else context.replica_id_in_sync_group
+        seen = tf.numpy_function(_record, [replica, tf.shape(data[0])[0]], tf.int32)
+        with tf.control_dependencies([seen]):
+            data = tf.nest.map_structure(tf.identity, data)
+        return super().train_step(data)
+
+
+def _one_device(x, y, batch_size, epochs=2, normalize=False):
+    """Plain Keras fit on one device: the update every run below must make."""
+    model = _model(normalize)
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def _assert_same_weights(got, expected):
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _pieces_by_replica():
+    by = {}
+    for replica, rows in PIECES:
+        by.setdefault(replica, []).append(rows)
+    return by
+
+
+def test_tfdp_fit_cuts_within_the_caps_and_makes_one_devices_update():
+    """Powers [1, 3] at batch 64 with caps [64, 40]: pieces [24, 40] (16 / 48 by the
+    powers), the short last batch (200 = 3 x 64 + 8) within them too; exact."""
+    x, y = _data()
+    expected = _one_device(x, y, 64)
+    model = _model()
+    PIECES.clear()
+    history = tfdp.fit(model, x, y, batch_size=64, epochs=2, shuffle=False, verbose=0,
+                       mode="weighted", devices="cpu:0,cpu:1", powers=[1, 3], max_rows=[64, 40])
+    assert history.result["shards"] == [24, 40]
+    seen = _pieces_by_replica()
+    assert sorted(set(seen[0])) == [3, 24] and sorted(set(seen[1])) == [5, 40]
+    _assert_same_weights(model.get_weights(), expected)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(mode="single", max_rows=[128]),
+        dict(mode="mirrored", devices="cpu:0,cpu:1", mirrored_input="split", max_rows=[64, 64]),
+        dict(mode="weighted", devices="cpu:0,cpu:1", powers=[1, 3], max_rows=[64, 64]),
+    ],
+    ids=["single", "mirrored", "weighted"],
+)
+def test_a_batch_beyond_the_caps_is_two_micro_steps_of_one_update(settings):
+    """Global batch 256 over caps summing to 128: every update is two micro-steps of 128
+    rows (each piece within its cap), their gradients summed: one device's update at
+    batch 256. The logs count updates."""
+    x, y = _data(512)
+    expected = _one_device(x, y, 256)
+    model = _model()
+    PIECES.clear()
+    history = tfdp.fit(model, x, y, batch_size=256, epochs=2, shuffle=False, verbose=0, **settings)
+    caps = settings["max_rows"]
+    assert sum(history.result["shards"]) == 128
+    assert len(PIECES) == 2 * 2 * 2 * len(caps)  # 2 epochs x 2 updates x 2 micro-steps
+    assert all(rows <= caps[replica] for replica, rows in PIECES)
+    assert history.result["iterations"] == 4 and len(history.history["loss"]) == 2
+    _assert_same_weights(model.get_weights(), expected)
+
+
+def test_batch_normalization_in_micro_steps_moves_by_each_micro_batch():
+    """In micro-steps, BatchNormalization normalizes each micro-batch by its own
+    statistics (as one device training on that micro-batch), and its moving statistics
+    move once per micro-step: after one update of 256 rows in two micro-steps of 128, the
+    moving mean is the one of two momentum steps over the two halves' means."""
+    x, y = _data(256)
+    model = _model(normalize=True)
+    tfdp.fit(model, x, y, batch_size=256, epochs=1, shuffle=False, verbose=0,
+             mode="single", max_rows=[128])
+    norm = model.layers[0]
+    moving = np.zeros(8)
+    for half in (x[:128], x[128:]):
+        moving = 0.5 * moving + 0.5 * half.mean(axis=0)
+    np.testing.assert_allclose(norm.moving_mean.numpy(), moving, rtol=1e-5, atol=1e-6)
+
+
+def test_rebalancing_and_auto_powers_stay_within_the_caps():
+    """Device 0 made 4x slower: the balancing would give device 1 most of the batch; its
+    cap of 36 holds it there, in every re-split and every piece."""
+    x, y = _data(64 * 12)
+    model = _model()
+    PIECES.clear()
+    history = tfdp.fit(model, x, y, batch_size=64, epochs=2, shuffle=False, verbose=0,
+                       mode="weighted", devices="cpu:0,cpu:1", powers="auto", rebalance_every=2,
+                       simulate_slowdown="cpu:0=4", max_rows=[64, 36])
+    result = history.result
+    assert result["final_shards"] == [28, 36]
+    moves = [*result["auto_powers"]["probe_resplits"], *result["rebalances"]]
+    assert moves and all(move["new"][1] <= 36 for move in moves)
+    assert max(rows for replica, rows in PIECES if replica == 1) == 36
+
+
+def test_plain_model_fit_under_the_strategy_cuts_within_the_caps():
+    """`tfdp.MirroredStrategy(powers=[1, 3], max_rows=[64, 40])` under Keras' own fit:
+    pieces [24, 40]; the short last batch of 8 by the powers, [2, 6], within the caps;
+    exact."""
+    x, y = _data()
+    expected = _one_device(x, y, 64)
+    strategy = tfdp.MirroredStrategy(["cpu:0", "cpu:1"], powers=[1, 3], max_rows=[64, 40])
+    with strategy.scope():
+        model = _model()
+    PIECES.clear()
+    model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    seen = _pieces_by_replica()
+    assert sorted(set(seen[0])) == [2, 24] and sorted(set(seen[1])) == [6, 40]
+    _assert_same_weights(model.get_weights(), expected)
+
+
+def test_plain_model_fit_beyond_the_caps_names_them_and_the_batch():
+    import tensorflow as tf
+
+    x, y = _data()
+    strategy = tfdp.MirroredStrategy(["cpu:0", "cpu:1"], powers=[1, 3], max_rows=[64, 40])
+    fixed = tf.data.Dataset.from_tensor_slices((x, y)).batch(128, drop_remainder=True)
+    with pytest.raises(ConfigError) as static:  # the batch's size is known: before any step
+        strategy.experimental_distribute_dataset(fixed)
+    assert static.value.field == "max_rows" and "fewer than the batch of 128" in str(static.value)
+    with strategy.scope():
+        model = _model()
+    with pytest.raises(tf.errors.InvalidArgumentError) as running:  # known once read
+        model.fit(x, y, batch_size=128, epochs=1, verbose=0)
+    assert "max_rows=[64, 40]: hold 104 examples in a step" in str(running.value)
+    assert "gradient_accumulation_steps" in str(running.value)
