@@ -267,3 +267,23 @@ def test_plain_model_fit_beyond_the_caps_names_them_and_the_batch():
         model.fit(x, y, batch_size=128, epochs=1, verbose=0)
     assert "max_rows=[64, 40]: hold 104 examples in a step" in str(running.value)
     assert "gradient_accumulation_steps" in str(running.value)
+
+
+def test_the_command_runs_micro_steps_as_one_devices_update(tmp_path, capsys):
+    """`tfdp --max_rows=64,64` at batch 256: two micro-steps of 64 + 64 per update, said in
+    the banner; the weights of mode single at batch 256 without caps."""
+    from helpers import TOY, cli_in_process, load_weights, toy_config, train
+
+    train(toy_config(mode="single", batch_size=256, iterations=6, model_dir=str(tmp_path / "one")))
+    capsys.readouterr()
+    status = cli_in_process(
+        *[flag for flag in TOY if not flag.startswith(("--logical_cpus", "--batch_size"))],
+        "--batch_size=256", "--iterations=6", "--mode=weighted", "--devices=cpu:0,cpu:1",
+        "--powers=1,3", "--max_rows=64,64", f"--model_dir={tmp_path / 'capped'}",
+    )
+    assert status == 0
+    said = capsys.readouterr().out
+    assert "global batch 256 = 2 micro-steps of at most 64 + 64 (max_rows [64, 64]) over 2" in said
+    for got, expected in zip(load_weights(tmp_path / "capped"), load_weights(tmp_path / "one"),
+                             strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)

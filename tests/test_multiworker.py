@@ -43,7 +43,8 @@ def single(model_dir, **changes):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Three runs of the same 3 steps: single, 2 workers with powers auto, and with 1,3."""
+    """Four runs of the same 3 steps: single, 2 workers with powers auto, with 1,3, and
+    with caps that make each update two micro-steps."""
     root = tmp_path_factory.mktemp("runs")
     steps = [*TOY, "--iterations=3", "--log_every=1"]
     single_lines = single(root / "single", iterations=3, log_every=1)
@@ -59,11 +60,14 @@ def runs(tmp_path_factory):
         env=environment(TMPDIR=str(scratch)),
     )
     assert uneven.returncode == 0, uneven.stderr
-    return {"root": root, "single": single_lines, "auto": auto, "uneven": uneven}
+    # caps of 64 per worker: each update of 256 is two micro-steps of 64 + 64
+    micro = launch(*steps, "--max_rows=64,64", f"--model_dir={root / 'micro'}")
+    assert micro.returncode == 0, micro.stderr
+    return {"root": root, "single": single_lines, "auto": auto, "uneven": uneven, "micro": micro}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["auto", "uneven"])
+@pytest.mark.parametrize("name", ["auto", "uneven", "micro"])
 def test_two_workers_make_the_update_of_single(runs, name):
     root = runs["root"]
     for got, expected in zip(load_weights(root / name), load_weights(root / "single"), strict=True):
@@ -78,6 +82,16 @@ def test_two_workers_make_the_update_of_single(runs, name):
         result(str(root / name))["log"], result(str(root / "single"))["log"], strict=True
     ):
         assert got == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_each_worker_takes_its_cap_in_each_micro_step(runs):
+    for worker in (0, 1):
+        lines = worker_lines(runs["micro"].stdout, worker)
+        assert lines[0] == "workload partition: [('worker:0', 64), ('worker:1', 64)]"
+        assert lines[1].startswith(
+            "global batch 256 = 2 micro-steps of at most 64 + 64 (max_rows [64, 64]) over 2 worker(s)"
+        )
 
 
 @pytest.mark.slow

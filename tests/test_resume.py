@@ -101,6 +101,24 @@ def test_resume_after_sigkill_is_exact(mode, straight_run, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_kill_between_micro_stepped_updates_resumes_exactly(tmp_path_factory):
+    """Caps [32, 32] under batch 100: every update is two micro-steps ([18, 32] each);
+    a SIGKILL lands between two updates, and the resumed run is the straight run."""
+    straight = str(tmp_path_factory.mktemp("straight-micro"))
+    train(run_config("weighted", straight, max_rows=(32, 32)))
+    model_dir = str(tmp_path_factory.mktemp("killed-micro"))
+    killed = tfdp(*run_flags("weighted", model_dir, "--max_rows=32,32"), wait=False)
+    kill_when(killed, lambda: (latest_step(model_dir) or 0) >= 100)
+    stopped_at = latest_step(model_dir)
+    assert stopped_at < ITERATIONS
+
+    lines = resume("weighted", model_dir, max_rows=(32, 32))
+    assert any("2 micro-steps of at most 18 + 32" in line for line in lines)
+    assert any(f"resuming at iteration {stopped_at}" in line for line in lines)
+    assert_same_run(straight, model_dir)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", sorted(KILLED))
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_saves_the_step_and_the_restart_is_exact(mode, signum, straight_run, tmp_path):

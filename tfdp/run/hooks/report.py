@@ -50,6 +50,9 @@ def banner(plan, trainer, start_step: int, shards: list[int], input_note=None) -
     """The batch arithmetic, printed once at start."""
     config, n = plan.config, len(plan.devices)
     split = " + ".join(str(s) for s in shards)
+    micro = trainer.split.micro_steps
+    if micro > 1:  # the caps hold less than the batch
+        split = f"{micro} micro-steps of at most {split} (max_rows {list(trainer.split.max_rows)})"
     per_pass, total = plan.batches_per_pass, plan.total_steps
     if per_pass is None:
         data = "passes of a stream of unknown length (an epoch ends where a pass does)"
