@@ -230,9 +230,11 @@ def test_rebalancing_and_auto_powers_stay_within_the_caps():
                        mode="weighted", devices="cpu:0,cpu:1", powers="auto", rebalance_every=2,
                        simulate_slowdown="cpu:0=4", max_rows=[64, 36])
     result = history.result
-    assert result["final_shards"] == [28, 36]
-    moves = [*result["auto_powers"]["probe_resplits"], *result["rebalances"]]
-    assert moves and all(move["new"][1] <= 36 for move in moves)
+    measured = result["auto_powers"]
+    assert result["final_shards"] == [28, 36]  # (4x slower: about [13, 51] without the cap)
+    assert measured["shards_alone"][1] <= 36
+    moves = [*measured["probe_resplits"], *result["rebalances"]]
+    assert all(move["new"][1] <= 36 for move in moves)
     assert max(rows for replica, rows in PIECES if replica == 1) == 36
 
 
@@ -287,3 +289,86 @@ def test_the_command_runs_micro_steps_as_one_devices_update(tmp_path, capsys):
     for got, expected in zip(load_weights(tmp_path / "capped"), load_weights(tmp_path / "one"),
                              strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------ caps measured
+
+
+def test_a_cap_is_the_line_through_two_peaks_at_the_limit_less_the_margin():
+    """1000 bytes fixed and 10 per example, a limit of 2000 less 10%: (1800 - 1000) / 10."""
+    from tfdp.balance.memory import cap_from_peaks
+
+    assert cap_from_peaks(2000, (8, 1080), (16, 1160)) == 80
+    assert cap_from_peaks(2000, (8, 1080), (16, 1160), margin=0.0) == 100
+    assert cap_from_peaks(2000, (8, 1500), (16, 1500)) is None  # no growth with the examples
+    assert cap_from_peaks(1000, (8, 1080), (16, 1160)) == 0  # the step alone does not fit
+
+
+class _Reading:
+    """A device's memory as a GPU's allocator would report it, for cpu:1 only: 1000 bytes
+    and 10 per example of the largest piece the model's step ran on since the reset."""
+
+    def __init__(self, limit):
+        self.limits = {"/device:CPU:1": limit}
+        self.since = 0
+
+    def limit(self, device):
+        return self.limits.get(device)
+
+    def reset(self, device):
+        self.since = len(PIECES)
+
+    def peak(self, device):  # (a probe runs one device alone: the pieces are its)
+        return 1000 + 10 * max(rows for _, rows in PIECES[self.since:])
+
+
+def test_measured_caps_cut_as_given_caps_and_the_run_is_exact(monkeypatch):
+    """max_rows="auto" with cpu:1 reading as a GPU whose step of 40 examples fills its
+    memory less the margin: cpu:1 is capped at 40, cpu:0 (no limit) at the batch; powers
+    [1, 3] at batch 64 then cut [24, 40], as caps [64, 40] given do."""
+    from tfdp.balance import memory
+
+    monkeypatch.setattr(memory, "READING", _Reading(limit=1556))  # 0.9 x 1556 = 1000 + 10 x 40.04
+    x, y = _data()
+    expected = _one_device(x, y, 64)
+    model = _model()
+    PIECES.clear()
+    lines = []
+    history = tfdp.fit(model, x, y, batch_size=64, epochs=2, shuffle=False, verbose=0,
+                       mode="weighted", devices="cpu:0,cpu:1", powers=[1, 3], max_rows="auto",
+                       log=lines.append)
+    result = history.result
+    assert result["measured_max_rows"] == [64, 40] and result["max_rows"] == [64, 40]
+    assert result["shards"] == [24, 40]
+    assert any(line.startswith("max_rows auto, the model's step alone on each GPU: "
+                               "/device:CPU:1 40 (peak") for line in lines)
+    _assert_same_weights(model.get_weights(), expected)
+
+
+def test_measured_caps_below_the_batch_make_micro_steps(monkeypatch):
+    from tfdp.balance import memory
+
+    monkeypatch.setattr(memory, "READING", _Reading(limit=1556))
+    x, y = _data(512)
+    expected = _one_device(x, y, 256)
+    model = _model()
+    history = tfdp.fit(model, x, y, batch_size=256, epochs=1, shuffle=False, verbose=0,
+                       mode="single", devices="cpu:1", max_rows="auto")
+    assert history.result["max_rows"] == [40] and history.result["micro_steps"] == 7
+    _assert_same_weights(model.get_weights(), expected)
+
+
+def test_a_resume_on_smaller_caps_leaves_the_saved_split_beyond_them(tmp_path):
+    """A measured split saved with device 1 past 40 rows (device 0 is 4x slower) resumes
+    under caps [64, 40]: the saved split passes the new cap and is not taken; the split
+    is measured again within the caps, and every piece stays within them."""
+    from helpers import toy_config, train
+
+    settings = dict(mode="weighted", devices="cpu:0,cpu:1", powers="auto", batch_size=64,
+                    simulate_slowdown="cpu:0=4", model_dir=str(tmp_path))
+    first, _ = train(toy_config(**settings, iterations=4))
+    assert first["final_shards"][1] > 40
+    resumed, lines = train(toy_config(**settings, iterations=6, max_rows=(64, 40)))
+    assert any("resuming at iteration 4" in line for line in lines)
+    assert resumed["resumed_shares"] is None and resumed["auto_powers"] is not None
+    assert resumed["final_shards"][1] <= 40

@@ -631,3 +631,17 @@ def distributed_dataset(iterator):
     """The DistributedDataset a distributed iterator reads (`_distributed_dataset`; None:
     not known), as Keras' trainer reads it. Checked: TensorFlow 2.19.1-2.21.0."""
     return getattr(iterator, "_distributed_dataset", None)
+
+
+def device_memory_limit(device: str) -> int | None:
+    """The bytes TensorFlow's allocator may use on `device` (a GPU), from its device list
+    (`device_lib`: TensorFlow's public API reads a GPU's peak, not its limit)."""
+    import tensorflow as tf
+    from tensorflow.python.client import device_lib
+
+    wanted = tf.DeviceSpec.from_string(device)
+    for attributes in device_lib.list_local_devices():
+        spec = tf.DeviceSpec.from_string(attributes.name)
+        if (spec.device_type, spec.device_index) == (wanted.device_type, wanted.device_index):
+            return int(attributes.memory_limit)
+    return None

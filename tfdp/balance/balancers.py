@@ -12,6 +12,7 @@ from __future__ import annotations
 from tfdp import balance
 from tfdp.cluster.agreement import Agreed, arrays_digest
 from tfdp.devices import AUTO, parse_slowdown, short_name
+from tfdp.balance import memory
 
 
 class DeviceBalancer:
@@ -33,7 +34,14 @@ class DeviceBalancer:
         (None without auto powers), from which rebalancing carries on.
         """
         probes = self.probes
-        info = {"simulated_slowdown": None, "auto_powers": None}
+        info = {"simulated_slowdown": None, "auto_powers": None, "measured_max_rows": None}
+        if config.max_rows == AUTO:  # first: every later probe stays within the caps
+            caps = memory.measure(
+                probes, lambda n: timing_examples(train_data, n, log), config.batch_size, log
+            )
+            if caps is not None:
+                probes.split.cap(caps, config.batch_size)
+                info["measured_max_rows"] = caps
         slowdown = parse_slowdown(config.simulate_slowdown)
         measure = measure and config.powers == AUTO
         if not slowdown and not measure:
@@ -107,7 +115,7 @@ class WorkerBalancer(DeviceBalancer):
         itself and all get the same split."""
         probes = self.probes
         probes.exchange.agree([training_data(config, train_data)])
-        info = {"simulated_slowdown": None, "auto_powers": None}
+        info = {"simulated_slowdown": None, "auto_powers": None, "measured_max_rows": None}
         factors = parse_slowdown(config.simulate_slowdown)
         measure = measure and config.powers == AUTO
         if not factors and not measure:

@@ -70,7 +70,8 @@ def build_trainer(config, devices: list[str], shards: list[int], model=None) -> 
         return multiworker.build(config, shards, model, jit_compile, caps, steps)
     slowdown = bool(config.simulate_slowdown)
     # The host clock in the step (a device-to-host sync on a GPU) only where it is read.
-    timed = config.powers == AUTO or bool(config.rebalance_every) or slowdown
+    # (measured caps probe the devices as auto powers do)
+    timed = AUTO in (config.powers, config.max_rows) or bool(config.rebalance_every) or slowdown
     if len(devices) > 1:
         even = config.mode == "mirrored"
         strategy = local_strategy(

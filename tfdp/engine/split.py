@@ -63,6 +63,22 @@ class Split:
         if self._sizes is not None:
             self._sizes.assign(shards)
 
+    def cap(self, max_rows, batch_size: int) -> None:
+        """Caps measured before the first step (`max_rows="auto"`): the split of each
+        micro-step of a global batch of `batch_size` within them, by the shares as they
+        stand."""
+        from tfdp.devices import capped_split, micro_steps
+
+        if self.fixed:
+            raise ValueError("the split cannot be capped: the strategy cuts the batches itself")
+        steps = micro_steps(batch_size, max_rows)
+        micro = -(-batch_size // steps)  # the largest micro-step
+        self.max_rows, self.micro_steps = tuple(max_rows), steps
+        self.shards = capped_split(micro, self.shards, self.max_rows)
+        self.global_batch_size = micro
+        if self._sizes is not None:
+            self._sizes.assign(self.shards)
+
     def within(self, shards) -> bool:
         """Whether every device's share of `shards` is within its cap."""
         return self.max_rows is None or all(s <= c for s, c in zip(shards, self.max_rows))

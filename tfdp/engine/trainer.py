@@ -165,8 +165,6 @@ class Trainer:
         """
         self.split = Split(devices, shards, balanced=balanced, fixed=input != "split",
                            unit=self.unit, max_rows=max_rows, micro_steps=micro_steps)
-        if micro_steps > 1 and (input != "split" or chains > 1):
-            raise ValueError("micro-steps need the host's cut, in one piece per device")
         self.split.sizes  # noqa: B018 (the variable, before any step is traced)
         self.timed = timed or slowdown
         self._input = input
@@ -194,10 +192,7 @@ class Trainer:
             )
         # chains: the batch cut into pieces whose gradients are summed and applied once
         self._work = DeviceWork(model, chains, self.jit_compile) if chains > 1 else None
-        # micro-steps: a device's piece of each micro-batch, the update's gradients summed
-        self._micro = (
-            DeviceWork(model, 1, self.jit_compile, may_be_empty=True) if micro_steps > 1 else None
-        )
+        self._micro = None  # micro-steps: a device's piece of each micro-batch (`_micro_update`)
         self._replica_step = model.train_step if self._work is None else self._chained_step
         self._replicas_train = self._replicas_test = None  # each step one XLA program, as in Keras
         if self.jit_compile and not model.run_eagerly:
@@ -276,7 +271,7 @@ class Trainer:
         """The model's train_step on every replica's piece of `batch` (its update): the
         logs it returned (each holds the whole batch's: the strategy reads them so), each
         device's seconds, and `steps` 1."""
-        if self._micro is not None:
+        if self.split.micro_steps > 1:  # (caps measured before the first step count too)
             return self._micro_update(batch)
         pieces = self._pieces(batch)
         if self._replicas_train is not None:  # XLA
@@ -328,6 +323,10 @@ class Trainer:
         over the replicas by the split (within the caps); every replica runs the model's
         train_step on its pieces one after the other, each piece's loss weighed by its
         rows over the whole global batch's, and the summed gradients make one update."""
+        if self._micro is None:
+            if self._input != "split" or self.chains > 1:
+                raise ValueError("micro-steps need the host's cut, in one piece per device")
+            self._micro = DeviceWork(self.model, 1, self.jit_compile, may_be_empty=True)
         examples = num_examples(batch)
         micro = [self._pieces(part) for part in cut_evenly(batch, self.split.micro_steps)]
         logs = self.run(self._micro_steps, (micro, examples))

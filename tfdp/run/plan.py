@@ -144,9 +144,13 @@ def partition(config: Config, devices: list[str]) -> list[int]:
     caps = given_max_rows(config, len(devices))
     if caps is not None:
         batch = -(-batch // micro_steps(batch, caps))  # the largest micro-step
-    if config.mode == "mirrored" and caps is not None and config.mirrored_input != "split":
+    if config.max_rows == AUTO and config.mode == "multiworker":
         raise ConfigError(
-            "max_rows", list(caps),
+            "max_rows", AUTO, "is measured on one machine's devices: give each worker's cap"
+        )
+    if config.mode == "mirrored" and config.max_rows and config.mirrored_input != "split":
+        raise ConfigError(
+            "max_rows", AUTO if caps is None else list(caps),
             "cuts each batch on the host: give --mirrored_input=split (the dataset's own cut is even)",
         )
     if config.mode == "mirrored" and config.mirrored_input == "split":

@@ -216,6 +216,8 @@ def result_of(state: Run, split_info: dict) -> FitResult:
             "devices": [short_name(d) for d in plan.devices],
             "shards": state.result["shards"],
             "final_shards": list(trainer.split.shards),
+            "max_rows": None if trainer.split.max_rows is None else list(trainer.split.max_rows),
+            "micro_steps": trainer.split.micro_steps,
             "powers": config.powers if config.powers == AUTO else list(config.powers) or None,
             "reduce": config.reduce if config.mode == "weighted" else None,
             **split_info,
