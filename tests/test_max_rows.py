@@ -182,10 +182,11 @@ def test_tfdp_fit_cuts_within_the_caps_and_makes_one_devices_update():
     "settings",
     [
         dict(mode="single", max_rows=[128]),
+        dict(mode="single", max_rows=[128], chains=2),  # each micro-step in two chains
         dict(mode="mirrored", devices="cpu:0,cpu:1", mirrored_input="split", max_rows=[64, 64]),
         dict(mode="weighted", devices="cpu:0,cpu:1", powers=[1, 3], max_rows=[64, 64]),
     ],
-    ids=["single", "mirrored", "weighted"],
+    ids=["single", "single-chains", "mirrored", "weighted"],
 )
 def test_a_batch_beyond_the_caps_is_two_micro_steps_of_one_update(settings):
     """Global batch 256 over caps summing to 128: every update is two micro-steps of 128
@@ -198,7 +199,8 @@ def test_a_batch_beyond_the_caps_is_two_micro_steps_of_one_update(settings):
     history = tfdp.fit(model, x, y, batch_size=256, epochs=2, shuffle=False, verbose=0, **settings)
     caps = settings["max_rows"]
     assert sum(history.result["shards"]) == 128
-    assert len(PIECES) == 2 * 2 * 2 * len(caps)  # 2 epochs x 2 updates x 2 micro-steps
+    chains = settings.get("chains", 1)  # 2 epochs x 2 updates x 2 micro-steps x pieces:
+    assert len(PIECES) == 2 * 2 * 2 * len(caps) * chains
     assert all(rows <= caps[replica] for replica, rows in PIECES)
     assert history.result["iterations"] == 4 and len(history.history["loss"]) == 2
     _assert_same_weights(model.get_weights(), expected)
@@ -350,7 +352,7 @@ def test_measured_caps_below_the_batch_make_micro_steps(monkeypatch):
 
     monkeypatch.setattr(memory, "READING", _Reading(limit=1556))
     x, y = _data(512)
-    expected = _one_device(x, y, 256)
+    expected = _one_device(x, y, 256, epochs=1)
     model = _model()
     history = tfdp.fit(model, x, y, batch_size=256, epochs=1, shuffle=False, verbose=0,
                        mode="single", devices="cpu:1", max_rows="auto")

@@ -24,6 +24,7 @@ class Spec:
     rebalance_every: int = 0  # tfdp's --rebalance_every
     slowdown: str = ""  # tfdp's --simulate_slowdown
     intra_op_threads: int = 0  # multiworker: each worker's --intra_op_threads (0: TF's default)
+    micro_steps: int = 1  # each update in this many micro-steps (--max_rows of the batch / k)
 
 
 def device_names(kind: str, n: int) -> list[str]:

@@ -91,7 +91,8 @@ def define_flags() -> None:
         "scaling",
         ["scaling", "mixed", "switches", "gpu", "cluster", "streaming", "elastic"],
         "scaling: the tutorial's table over device counts; mixed: splits over unequal devices; "
-        "switches: --jit_compile and each --precision against the plain step, at each of "
+        "switches: --jit_compile, each --precision and 2 and 4 micro-steps (--max_rows) against "
+        "the plain step, at each of "
         "--device_counts (single at 1, mirrored above); gpu: one GPU, all GPUs, GPU+CPU, each "
         "beside Keras fit (logical CPUs stand in without a GPU); cluster: 2 workers, "
         "--cluster_slowdown, even split against rebalancing; streaming: a small ResNet on "
@@ -162,9 +163,18 @@ def configurations(
     return specs
 
 
+def micro_step_caps(batch_size: int, steps: int, devices: int) -> tuple[int, ...]:
+    """Caps (--max_rows) that make each update of `batch_size` `steps` micro-steps over
+    `devices` devices; () for one step."""
+    if steps == 1:
+        return ()
+    return (-(-batch_size // (steps * devices)),) * devices
+
+
 def switch_configurations(counts) -> list[Spec]:
-    """`--suite=switches`: at each device count, tfdp's plain step, then --jit_compile and
-    the mixed precisions (single at 1 device, mirrored above)."""
+    """`--suite=switches`: at each device count, tfdp's plain step, then --jit_compile, the
+    mixed precisions, and updates in 2 and 4 micro-steps (--max_rows; single at 1 device,
+    mirrored above)."""
     specs = [Spec("matmul peak", "matmul", "matmul", 1)]
     for n in counts:
         mode, label = ("single", "tfdp single") if n == 1 else ("mirrored", f"tfdp mirrored x{n}")
@@ -173,6 +183,8 @@ def switch_configurations(counts) -> list[Spec]:
             Spec(f"{label} jit", "tfdp", mode, n, jit_compile=True),
             Spec(f"{label} bfloat16", "tfdp", mode, n, precision="mixed_bfloat16"),
             Spec(f"{label} float16", "tfdp", mode, n, precision="mixed_float16"),
+            Spec(f"{label} in 2 micro-steps", "tfdp", mode, n, micro_steps=2),
+            Spec(f"{label} in 4 micro-steps", "tfdp", mode, n, micro_steps=4),
         ]
     return specs
 
@@ -249,6 +261,7 @@ def measure_tfdp(spec: Spec, job: dict) -> dict:
         simulate_slowdown=spec.slowdown,
         jit_compile=spec.jit_compile,
         precision=spec.precision,
+        max_rows=micro_step_caps(job["batch_size"], spec.micro_steps, len(devices)),
     )
     # as the tfdp command sets them, before TensorFlow starts (the Keras rows keep
     # TensorFlow's default threads)

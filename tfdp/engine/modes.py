@@ -96,7 +96,7 @@ def build_trainer(config, devices: list[str], shards: list[int], model=None) -> 
     # and chains would compute batch statistics on parts of a shard.
     chains = config.chains or (
         default_chains(devices, os.cpu_count() or 1)
-        if config.model in MODELS and not models.has_batch_statistics(model) and steps == 1
+        if config.model in MODELS and not models.has_batch_statistics(model)
         else 1
     )
     # No strategy: Keras' own step on the device, as model.fit runs it; one replica of

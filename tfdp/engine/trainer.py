@@ -324,9 +324,10 @@ class Trainer:
         train_step on its pieces one after the other, each piece's loss weighed by its
         rows over the whole global batch's, and the summed gradients make one update."""
         if self._micro is None:
-            if self._input != "split" or self.chains > 1:
-                raise ValueError("micro-steps need the host's cut, in one piece per device")
-            self._micro = DeviceWork(self.model, 1, self.jit_compile, may_be_empty=True)
+            if self._input != "split":
+                raise ValueError("micro-steps need the host's cut")
+            # (a micro-step's chains run side by side on its rows: within the cap together)
+            self._micro = DeviceWork(self.model, self.chains, self.jit_compile, may_be_empty=True)
         examples = num_examples(batch)
         micro = [self._pieces(part) for part in cut_evenly(batch, self.split.micro_steps)]
         logs = self.run(self._micro_steps, (micro, examples))
