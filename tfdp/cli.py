@@ -266,7 +266,7 @@ HELP_ARGUMENTS = ("--help", "-h", "--helpshort", "-?")
 
 # --help's order: what a first run needs first; flags not named here come last, under "other".
 HELP_GROUPS = (
-    ("what to train on", "mode devices powers max_rows batch_size logical_cpus logical_gpus"),
+    ("what to train on", "mode devices powers batch_size max_rows logical_cpus logical_gpus"),
     (
         "the model and data",
         "model dataset mnist_dir data_dir iterations epochs steps_per_epoch initial_epoch "
