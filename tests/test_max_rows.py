@@ -10,7 +10,6 @@ import pytest
 import tensorflow as tf
 
 import tfdp
-
 from tfdp import ConfigError, split_batch
 from tfdp.devices import capped_split
 from tfdp.engine.pieces import piece_sizes

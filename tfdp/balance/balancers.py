@@ -10,9 +10,9 @@ data first. A trainer names its kind (`Trainer.balancer`).
 from __future__ import annotations
 
 from tfdp import balance
+from tfdp.balance import memory
 from tfdp.cluster.agreement import Agreed, arrays_digest
 from tfdp.devices import AUTO, parse_slowdown, short_name
-from tfdp.balance import memory
 
 
 class DeviceBalancer:

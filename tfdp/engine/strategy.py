@@ -37,9 +37,9 @@ import tensorflow as tf
 from tfdp import internals
 from tfdp.config import BATCH_STATISTICS
 from tfdp.data.arrays import without_autotune
+from tfdp.devices import checked_max_rows, split_batch
 from tfdp.engine import books as books_lib
 from tfdp.engine import patches, pieces, replica, shards, whole_batch
-from tfdp.devices import checked_max_rows, split_batch
 from tfdp.errors import ConfigError
 
 REDUCES = ("allreduce", "device0")

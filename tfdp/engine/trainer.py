@@ -346,7 +346,9 @@ class Trainer:
                 if gradients is None:
                     logs, gradients = piece_logs, piece_gradients
                     continue
-                logs = tf.nest.map_structure(lambda new, old: tf.where(held, new, old), piece_logs, logs)
+                logs = tf.nest.map_structure(
+                    lambda new, old, held=held: tf.where(held, new, old), piece_logs, logs
+                )
                 gradients = [shards_lib.add_gradients(a, b) for a, b in zip(gradients, piece_gradients)]
         if gradients:  # (a model without trainable weights has nothing to update)
             model.optimizer.apply_gradients(zip(gradients, self._micro.variables))
