@@ -228,6 +228,27 @@ def checked_powers(powers, count):
     return [float(p) for p in powers]
 
 
+def replica_caps(max_rows, count, local, devices):
+    """The most rows each of `count` replicas takes in a step, from `max_rows` (one per
+    device; on several workers, one per worker, shared evenly by its `local` replicas);
+    None for none. "auto": none on CPUs; GPUs are measured by `tfdp.fit` only."""
+    from tfdp.devices import checked_max_rows, split_batch
+
+    if max_rows is None:
+        return None
+    if isinstance(max_rows, str) and max_rows == "auto":
+        if any("GPU" in d.upper() for d in devices):
+            raise ConfigError(
+                "max_rows", max_rows, "is measured by tfdp.fit and the tfdp command, which "
+                "run the model's step first; under model.fit give the caps, one per device",
+            )
+        return None  # a CPU holds what the host holds: no cap
+    if count == local:
+        return list(checked_max_rows(max_rows, count))
+    per_worker = checked_max_rows(max_rows, count // local)
+    return [c for cap in per_worker for c in split_batch(cap, [1.0] * local, few=True)]
+
+
 def shares_of(powers):
     """Each power's fraction of their sum."""
     total = sum(powers)

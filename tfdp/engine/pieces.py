@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from tfdp import internals
 from tfdp.data.leaves import first, rows
+from tfdp.errors import ConfigError
 
 
 def piece_sizes(examples, weights, caps=None) -> tf.Tensor:
@@ -244,12 +245,16 @@ def beyond_caps(caps, rows=None) -> str:
     )
 
 
-def static_rows(structure):
-    """The rows of a batch of `structure` where its spec says them, else None."""
+def check_within(structure, caps) -> None:
+    """A ConfigError naming the caps where a dataset's spec (`structure`) says its batches
+    hold more rows than the caps' sum."""
+    if caps is None:
+        return
     for spec in tf.nest.flatten(structure):
         if has_rows(spec) and spec.shape[0] is not None:
-            return int(spec.shape[0])
-    return None
+            if spec.shape[0] > sum(caps):
+                raise ConfigError("max_rows", caps, beyond_caps(caps, int(spec.shape[0])))
+            return
 
 
 def global_batches(dataset, replicas):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdp.engine import patches
+from tfdp.engine import patches, replica, whole_batch
 from tfdp.engine import shards as shards_lib
 from tfdp.engine.pieces import cut_evenly, num_examples
 from tfdp.engine.shards import add_gradients
@@ -166,3 +166,39 @@ def with_metrics(model, logs):
         return logs
     results = model.get_metrics_result()
     return {name: results.get(name, value) for name, value in logs.items()}
+
+
+def in_micro_steps(work, pieces, examples):
+    """One replica's part of an update in micro-steps: the model's train_step on each of
+    its `pieces` (one per micro-step) in turn, each piece's loss weighed by its rows over
+    the global batch's `examples`, their summed gradients applied once with the model's
+    optimizer. Each piece is read only once the previous gradients are computed, so a
+    micro-step's memory is freed before the next starts. Returns the logs as the whole
+    batch gives them (over the replicas, in a strategy's step)."""
+    model, gradients, logs = work.model, None, None
+    with shards_lib.handing_over(model):
+        for piece in pieces:
+            if gradients is not None:
+                piece = _after_all(piece, gradients)
+            piece_logs, piece_gradients, held = work.train_either(piece, examples)
+            if gradients is None:
+                logs, gradients = piece_logs, piece_gradients
+                continue
+            logs = tf.nest.map_structure(
+                lambda new, old, held=held: tf.where(held, new, old), piece_logs, logs
+            )
+            gradients = [add_gradients(a, b) for a, b in zip(gradients, piece_gradients)]
+    if gradients:  # (a model without trainable weights has nothing to update)
+        model.optimizer.apply_gradients(zip(gradients, work.variables))
+    step = replica.current()
+    if step is None:  # one device, without a strategy
+        return with_metrics(model, logs)
+    context = tf.distribute.get_replica_context()
+    return whole_batch.logs(model, logs, step.fraction, context, step.all_reduce)
+
+
+def _after_all(batch, gradients):
+    """`batch`, read only once every one of `gradients` is computed."""
+    leaves = [g.values if isinstance(g, tf.IndexedSlices) else g for g in gradients]
+    with tf.control_dependencies([g for g in leaves if g is not None]):
+        return tf.nest.map_structure(tf.identity, batch, expand_composites=True)

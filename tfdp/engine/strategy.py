@@ -37,7 +37,6 @@ import tensorflow as tf
 from tfdp import internals
 from tfdp.config import BATCH_STATISTICS
 from tfdp.data.arrays import without_autotune
-from tfdp.devices import checked_max_rows, split_batch
 from tfdp.engine import books as books_lib
 from tfdp.engine import patches, pieces, replica, shards, whole_batch
 from tfdp.errors import ConfigError
@@ -70,10 +69,10 @@ class UnevenShares:
         self.batch_statistics = batch_statistics
         self.auto = isinstance(powers, str) and powers == "auto"
         self.powers = [1.0] * count if self.auto else books_lib.checked_powers(powers, count)
-        # powers=None on one machine: TensorFlow's own cut of a dataset (its static shapes
-        # too), until new powers are set; the weighing in `run` makes any cut exact. (A
-        # cluster's workers each read the whole batches and keep their replicas' pieces.)
-        self.max_rows = self._replica_caps(max_rows)
+        self.max_rows = books_lib.replica_caps(max_rows, count, self.local_replicas,
+                                               self.extended.worker_devices)
+        # powers=None, no caps, one machine (workers read whole batches): TensorFlow's cut
+        # (its static shapes too) until powers are set; `run`'s weighing makes any cut exact.
         self.tensorflows_cut = powers is None and self.max_rows is None and not isinstance(
             self, tf.distribute.MultiWorkerMirroredStrategy)
         self.rebalance_every = books_lib.checked_steps("rebalance_every", rebalance_every, allow_none=True)
@@ -92,24 +91,6 @@ class UnevenShares:
         self._sleep_per_example = None
         self._lifted = weakref.WeakKeyDictionary()  # a tf.function -> it, over the replicas
         patches.install()
-
-    def _replica_caps(self, max_rows):
-        """The most rows each replica takes in a step, from `max_rows` (one per device; on
-        several workers, one per worker, shared evenly by its replicas); None for none."""
-        if max_rows is None:
-            return None
-        count, local = self.num_replicas_in_sync, self.local_replicas
-        if isinstance(max_rows, str) and max_rows == "auto":
-            if any("GPU" in d.upper() for d in self.extended.worker_devices):
-                raise ConfigError(
-                    "max_rows", max_rows, "is measured by tfdp.fit and the tfdp command, which "
-                    "run the model's step first; under model.fit give the caps, one per device",
-                )
-            return None  # a CPU holds what the host holds: no cap
-        if count == local:
-            return list(checked_max_rows(max_rows, count))
-        per_worker = checked_max_rows(max_rows, count // local)
-        return [c for cap in per_worker for c in split_batch(cap, [1.0] * local, few=True)]
 
     @property
     def books(self) -> books_lib.Books:
@@ -231,10 +212,7 @@ class UnevenShares:
             raise ConfigError(
                 "dataset", structure, "has no batch axis: batch it first (dataset.batch(n))"
             )
-        if self.max_rows is not None:
-            rows = pieces.static_rows(structure)
-            if rows is not None and rows > sum(self.max_rows):
-                raise ConfigError("max_rows", self.max_rows, pieces.beyond_caps(self.max_rows, rows))
+        pieces.check_within(structure, self.max_rows)  # where the batch's size is static
         local = self.local_replicas
         # Every replica gets a piece of every batch (maybe empty), so TensorFlow's stand-ins
         # for a replica without data are never used; they cannot be made for a None (an
@@ -430,13 +408,9 @@ class MirroredStrategy(UnevenShares, tf.distribute.MirroredStrategy):
         uneven the pieces; one small all-reduce per layer and step), or "replica", each
         piece's own, as TensorFlow's MirroredStrategy (the moving statistics then move by
         the pieces' statistics combined by share).
-      max_rows: the most examples each replica takes in one step (devices of unequal
-        memory), e.g. [512, 64]: the shares hold up to each cap, and what a capped replica
-        cannot take goes to the others by their shares, in every batch and re-split. A
-        batch beyond their sum fails with one line that names them: batch the data within
-        their sum and set the optimizer's `gradient_accumulation_steps` (Keras' own
-        micro-steps), or train with `tfdp.fit`, which runs the micro-steps itself.
-        "auto": no cap on CPUs (measured on GPUs by `tfdp.fit` only).
+      max_rows: the most examples each replica takes in a step, e.g. [512, 64], or "auto"
+        (none on CPUs); a batch beyond their sum fails in one line naming them
+        (`books.replica_caps`, `pieces.by_share`; the guide's "Unequal memory").
 
     With powers="auto" (or rebalance_every) each step is timed on the model's own step:
     each replica's seconds from the moment every replica holds its piece to the moment its

@@ -24,12 +24,11 @@ import tensorflow as tf
 
 from tfdp.balance.balancers import DeviceBalancer
 from tfdp.cluster.exchange import LOCAL
-from tfdp.engine import replica, whole_batch
 from tfdp.engine import shards as shards_lib
+from tfdp.engine.pieces import cut, cut_evenly, num_examples, piece_sizes
 from tfdp.engine.placement import Placement, kept
 from tfdp.engine.split import Split
-from tfdp.engine.pieces import cut, cut_evenly, num_examples, piece_sizes
-from tfdp.engine.steps import DeviceWork, with_metrics
+from tfdp.engine.steps import DeviceWork, in_micro_steps, with_metrics
 
 
 class Probes:
@@ -159,9 +158,7 @@ class Trainer:
             (`steps.DeviceWork`: a CPU device keeps several cores busy with one-threaded
             kernels); 1: the model's train_step as it is.
           max_rows: the most examples each of `devices` takes in one step (None: no caps).
-          micro_steps: steps of `shards` each update takes (a global batch beyond the
-            caps): each global batch is cut into this many near-equal micro-batches, run
-            one after the other, their gradients summed and applied once (`_micro_update`).
+          micro_steps: steps of `shards` per update (a global batch beyond the caps).
         """
         self.split = Split(devices, shards, balanced=balanced, fixed=input != "split",
                            unit=self.unit, max_rows=max_rows, micro_steps=micro_steps)
@@ -318,45 +315,16 @@ class Trainer:
         return with_metrics(self.model, logs)
 
     def _micro_update(self, batch):
-        """One update of a global batch beyond the devices' caps: the batch cut into
-        `split.micro_steps` near-equal micro-batches (the earlier one row longer), each cut
-        over the replicas by the split (within the caps); every replica runs the model's
-        train_step on its pieces one after the other, each piece's loss weighed by its
-        rows over the whole global batch's, and the summed gradients make one update."""
-        if self._micro is None:
-            if self._input != "split":
-                raise ValueError("micro-steps need the host's cut")
-            # (a micro-step's chains run side by side on its rows: within the cap together)
+        """One update of a global batch beyond the caps: the batch cut into
+        `split.micro_steps` near-equal micro-batches, each cut over the replicas by the
+        split, run in turn on every replica (`steps.in_micro_steps`)."""
+        if self._micro is None:  # (a micro-step's chains share its rows: within the cap)
             self._micro = DeviceWork(self.model, self.chains, self.jit_compile, may_be_empty=True)
-        examples = num_examples(batch)
         micro = [self._pieces(part) for part in cut_evenly(batch, self.split.micro_steps)]
-        logs = self.run(self._micro_steps, (micro, examples))
+        work = lambda args: in_micro_steps(self._micro, *args)  # noqa: E731
+        logs = self.run(work, (micro, num_examples(batch)))
         self._outputs_like = {"logs": logs, "device_seconds": self._seconds(), "steps": tf.constant(1)}
         return self._outputs_like
-
-    def _micro_steps(self, args):
-        """A replica's micro-steps (`_micro_update`): its logs as the whole batch gives them."""
-        micro, examples = args
-        model, gradients, logs = self.model, None, None
-        with shards_lib.handing_over(model):
-            for piece in micro:
-                if gradients is not None:  # one after the other: a micro-step's memory is
-                    piece = _after_all(piece, gradients)  # freed before the next one starts
-                piece_logs, piece_gradients, held = self._micro.train_either(piece, examples)
-                if gradients is None:
-                    logs, gradients = piece_logs, piece_gradients
-                    continue
-                logs = tf.nest.map_structure(
-                    lambda new, old, held=held: tf.where(held, new, old), piece_logs, logs
-                )
-                gradients = [shards_lib.add_gradients(a, b) for a, b in zip(gradients, piece_gradients)]
-        if gradients:  # (a model without trainable weights has nothing to update)
-            model.optimizer.apply_gradients(zip(gradients, self._micro.variables))
-        step = replica.current()
-        if step is None:  # one device, without a strategy
-            return with_metrics(model, logs)
-        return whole_batch.logs(model, logs, step.fraction, tf.distribute.get_replica_context(),
-                                step.all_reduce)
 
     def _test(self, batch):
         return self._test_pieces(self._pieces(batch))
@@ -471,9 +439,3 @@ class Trainer:
 def _eager(function):
     return function
 
-
-def _after_all(batch, gradients):
-    """`batch`, read only once every one of `gradients` is computed."""
-    leaves = [g.values if isinstance(g, tf.IndexedSlices) else g for g in gradients]
-    with tf.control_dependencies([g for g in leaves if g is not None]):
-        return tf.nest.map_structure(tf.identity, batch, expand_composites=True)
