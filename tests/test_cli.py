@@ -190,6 +190,11 @@ BAD_FLAGS = [
     (["--model=toy", "--max_rows=0"], "max_rows", [0]),
     (["--model=toy", "--max_rows=-3"], "max_rows", [-3]),
     (
+        ["--model=toy", "--max_rows=50", "--simulate_slowdown=cpu:0=2"],
+        "simulate_slowdown",
+        "cpu:0=2",
+    ),
+    (
         ["--model=toy", "--mode=weighted", "--logical_cpus=2", "--devices=cpu:0,cpu:1", "--max_rows=64"],
         "max_rows",
         [64],

@@ -95,7 +95,7 @@ def test_master_on_cpu_only_when_a_gpu_takes_part(devices, suggestion):
 
 
 class FakeTrainer:
-    split = types.SimpleNamespace(unit="device(s)")
+    split = types.SimpleNamespace(unit="device(s)", micro_steps=1, max_rows=None)
     model = types.SimpleNamespace(optimizer=types.SimpleNamespace(learning_rate=0.1))
 
     def info(self):

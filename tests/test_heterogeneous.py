@@ -54,7 +54,7 @@ def test_no_balancing_options_measure_nothing(images):
     trainer = build_trainer(config, CPUS[:2], [100, 100])
     lines = []
     assert trainer.balancer.set_up(config, as_stream(images, 200, 0), lines.append) == (
-        {"simulated_slowdown": None, "auto_powers": None},
+        {"simulated_slowdown": None, "auto_powers": None, "measured_max_rows": None},
         None,
     )
     assert lines == [] and trainer.split.shards == [100, 100]

@@ -120,9 +120,10 @@ class WorkerBalancer(DeviceBalancer):
         measure = measure and config.powers == AUTO
         if not factors and not measure:
             return info, None
-        probe = timing_examples(
-            train_data, max(1, probes.split.global_batch_size // len(probes.workers)), log
-        )
+        probe = max(1, probes.split.global_batch_size // len(probes.workers))
+        if probes.split.max_rows:  # each worker alone within its cap
+            probe = min(probe, min(c for c in probes.split.max_rows if c > 0))
+        probe = timing_examples(train_data, probe, log)
         if factors:
             slowed = probes.calibrate_slowdown(probe, factors)
             info["simulated_slowdown"] = slowed

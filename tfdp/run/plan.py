@@ -142,7 +142,13 @@ def partition(config: Config, devices: list[str]) -> list[int]:
     if config.mode == "single" and n != 1:
         raise ConfigError("devices", config.devices, f"mode single runs on one device, got {n}")
     caps = given_max_rows(config, len(devices))
-    if caps is not None:
+    if caps is not None and micro_steps(batch, caps) > 1:
+        if config.simulate_slowdown:
+            raise ConfigError(
+                "simulate_slowdown", config.simulate_slowdown,
+                f"sleeps per example of one step, not of micro-steps: give a batch within "
+                f"max_rows={list(caps)} ({sum(caps)} examples)",
+            )
         batch = -(-batch // micro_steps(batch, caps))  # the largest micro-step
     if config.max_rows == AUTO and config.mode == "multiworker":
         raise ConfigError(
