@@ -102,8 +102,9 @@ def test_resume_after_sigkill_is_exact(mode, straight_run, tmp_path):
 
 @pytest.mark.slow
 def test_a_kill_between_micro_stepped_updates_resumes_exactly(tmp_path_factory):
-    """Caps [32, 32] under batch 100: every update is two micro-steps ([18, 32] each);
-    a SIGKILL lands between two updates, and the resumed run is the straight run."""
+    """Caps [32, 32] under batch 100: every update is two micro-steps ([18, 32] each). A
+    SIGKILL mid-run (between two updates or inside one) leaves the last saved update, and
+    the resumed run is the straight run."""
     straight = str(tmp_path_factory.mktemp("straight-micro"))
     train(run_config("weighted", straight, max_rows=(32, 32)))
     model_dir = str(tmp_path_factory.mktemp("killed-micro"))
