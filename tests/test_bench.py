@@ -285,7 +285,7 @@ def test_mixed_suite_smoke(tmp_path):
             "--warmup=1",
             "--batch_size=64",
             "--sweep=16",
-            "--only=auto,dynamic (every 5),share 16",
+            "--only=auto,dynamic (every 5),share 16,cpu:0 alone",
             f"--json={jsonl}",
             f"--plot={png}",
         ],
@@ -297,7 +297,10 @@ def test_mixed_suite_smoke(tmp_path):
     assert "SIMULATED slowdown cpu:1=4" in process.stdout.splitlines()[0]
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
     rows = {r["configuration"]: r for r in records if r.get("summary")}
-    assert list(rows) == ["even split", "auto", "dynamic (every 5)", "share 16"]
+    assert list(rows) == ["even split", "auto", "dynamic (every 5)", "share 16", "cpu:0 alone"]
+    # the device that is not slowed, alone: the whole batch, and the rows' ratios to it
+    assert rows["cpu:0 alone"]["start_shards"] == [64] and rows["cpu:0 alone"]["vs_alone"] == 1.0
+    assert rows["auto"]["vs_alone"] > 0 and "| vs fastest alone |" in process.stdout
     assert rows["even split"]["vs_even"] == 1.0
     assert rows["even split"]["start_shards"] == [32, 32]
     # The slowed device is measured slower, so auto gives it less.
@@ -312,8 +315,12 @@ def test_mixed_suite_smoke(tmp_path):
     assert rows["share 16"]["vs_best_sweep_second_half"] == 1.0
     assert all(row["vs_best_sweep_second_half"] > 0 for row in rows.values())
     assert "| second half vs best |" in process.stdout
-    # every run faced the slow device of the one calibration, not one of its own
+    # every run faced the slow device of the one calibration, not one of its own; the
+    # device alone runs without it
     for r in measured:
+        if r["name"] == "cpu:0 alone":
+            assert r["simulated_slowdown"] is None
+            continue
         [slowed] = r["simulated_slowdown"].values()
         assert slowed["sleep_seconds_per_example"] == r["delays"][1]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -11,6 +11,8 @@ slowdown (`--slowdown=cpu:1=4`, the default there). Rows:
   dynamic             an even start, rebalanced in windows of up to 5 steps (--rebalance_every=5)
   auto + dynamic      both
   share s             a sweep of static splits: the slow device gets s examples
+  cpu:0 alone         mode single on the device that is not slowed: what auto must not
+                      fall below (a device that only slows the step is worth leaving out)
 
 Each row is a run of the `tfdp` command with the row's settings, through
 its loop and every hook of it (`bench.timed`), timed from the end of its
@@ -40,9 +42,11 @@ class MixedSpec:
     powers: tuple[float, ...] | str = ()  # (): even; "auto": measured
     reduce: str = "device0"
     rebalance_every: int = 0
+    alone: str = ""  # a device name: mode single on it, without the slowdown
 
 
-def mixed_configurations(factor: float, sweep, batch_size: int) -> list[MixedSpec]:
+def mixed_configurations(factor: float, sweep, batch_size: int, fastest: str = "") -> list[MixedSpec]:
+    """The rows; with `fastest` (the device that is not slowed), also that device alone."""
     specs = [
         MixedSpec("even split", (1.0, 1.0)),
         MixedSpec(f"static {factor:g}:1", (factor, 1.0)),
@@ -53,6 +57,8 @@ def mixed_configurations(factor: float, sweep, batch_size: int) -> list[MixedSpe
     ]
     for share in sweep:
         specs.append(MixedSpec(f"share {share}", (float(batch_size - share), float(share))))
+    if fastest:
+        specs.append(MixedSpec(f"{fastest} alone", alone=fastest))
     return specs
 
 
@@ -66,16 +72,18 @@ def _config(spec: MixedSpec, job: dict):
     from tfdp import Config
     from tfdp.bench.timed import SYNTHETIC
 
+    data = {"dataset": SYNTHETIC if job["synthetic"] else "mnist", "mnist_dir": job["mnist_dir"]}
+    if spec.alone:
+        return Config(mode="single", devices=spec.alone, batch_size=job["batch_size"], **data)
     return Config(
         mode="weighted",
-        dataset=SYNTHETIC if job["synthetic"] else "mnist",
-        mnist_dir=job["mnist_dir"],
         devices=",".join(job["devices"]),
         powers=spec.powers,
         batch_size=job["batch_size"],
         reduce=spec.reduce,
         rebalance_every=spec.rebalance_every,
         simulate_slowdown=job["slowdown"],
+        **data,
     )
 
 
@@ -172,6 +180,7 @@ def summarize(specs, measurements) -> list[dict]:
     }
     swept = [s.name for s in specs if s.name.startswith("share ")]
     best = max(swept, key=median.get) if swept else None
+    alone = next((s.name for s in specs if s.alone), None)
 
     def ratio_to(name, other, key="images_per_second"):
         return statistics.median(
@@ -199,6 +208,7 @@ def summarize(specs, measurements) -> list[dict]:
                     ratio_to(spec.name, best, "images_per_second_second_half") if best else None
                 ),
                 "best_sweep": best,
+                "vs_alone": ratio_to(spec.name, alone) if alone else None,
                 "set_up_seconds": statistics.median(m["set_up_seconds"] for m in runs),
                 "rounds": len(runs),
             }
@@ -213,8 +223,9 @@ def format_table(rows) -> str:
 
     lines = [
         "| configuration | shares (start -> end of the last round) | images/s (min-max) "
-        "| vs even split | vs best swept split | second half vs best | set-up s |",
-        "|" + " --- |" * 7,
+        "| vs even split | vs best swept split | second half vs best | vs fastest alone "
+        "| set-up s |",
+        "|" + " --- |" * 8,
     ]
     for r in rows:
         best, half = (
@@ -225,7 +236,9 @@ def format_table(rows) -> str:
         lines.append(
             f"| {r['configuration']} | {shares(r)} | {r['images_per_second']:.0f} "
             f"({r['images_per_second_min']:.0f}-{r['images_per_second_max']:.0f}) "
-            f"| {r['vs_even']:.2f} | {best} | {half} | {r['set_up_seconds']:.1f} |"
+            f"| {r['vs_even']:.2f} | {best} | {half} | "
+            + ("-" if r["vs_alone"] is None else f"{r['vs_alone']:.2f}")
+            + f" | {r['set_up_seconds']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -259,12 +272,13 @@ def draw(rows, path: str, title: str, batch_size: int) -> None:
     for i, r in enumerate(others):
         color = f"C{i}"
         axes.axhline(r["images_per_second"], linestyle="--", linewidth=1, color=color)
+        slow = r["final_shards"][1] if len(r["final_shards"]) > 1 else 0  # alone: none
         axes.plot(
-            [r["final_shards"][1]],
+            [slow],
             [r["images_per_second"]],
             marker="s",
             color=color,
-            label=f"{r['configuration']} (ends at {r['final_shards'][1]})",
+            label=f"{r['configuration']} (ends at {slow})",
         )
     axes.set_xlabel(f"examples on the slow device (of {batch_size})")
     axes.set_ylabel("images / s (median)")

@@ -585,7 +585,7 @@ def draw(rows, path: str, title: str) -> None:
 
 def run_mixed(mnist_dir) -> None:
     from tfdp.bench import mixed as bench_mixed
-    from tfdp.devices import parse_slowdown
+    from tfdp.devices import canonical_name, parse_slowdown
 
     slowdown = parse_slowdown(FLAGS.slowdown)
     factor = max(slowdown.values(), default=1.0)
@@ -615,8 +615,12 @@ def run_mixed(mnist_dir) -> None:
         ),
         flush=True,
     )
+    # the device that is not slowed, alone (on really unequal devices no row: which is
+    # the fastest is what the suite measures)
+    fastest = next((d for d in FLAGS.mixed_devices if canonical_name(d) not in slowdown), "")
+    fastest = fastest if slowdown else ""
     specs = bench_mixed.mixed_configurations(
-        factor, [int(s) for s in FLAGS.sweep], FLAGS.batch_size
+        factor, [int(s) for s in FLAGS.sweep], FLAGS.batch_size, fastest
     )
     if FLAGS.only:
         specs = [s for s in specs if s.name in FLAGS.only or s.name == "even split"]
