@@ -186,7 +186,7 @@ BAD_FLAGS = [
         2,
     ),
     (["--model=toy", "--mode=weighted", "--powers=auto,1"], "powers", ["auto", "1"]),
-    (["--model=toy", "--max_rows=64,x"], "max_rows", "64,x"),
+    (["--model=toy", "--max_rows=64,x"], "max_rows", ["64", "x"]),
     (["--model=toy", "--max_rows=0"], "max_rows", [0]),
     (["--model=toy", "--max_rows=-3"], "max_rows", [-3]),
     (

@@ -126,24 +126,14 @@ def _flag_text(field: str, value) -> str:
     return f"{field}={value}"
 
 
-def _powers_from_flag(values: list[str]) -> tuple[float, ...] | str:
+def _from_flag(field: str, values: list[str], number, example: str):
+    """A list flag of numbers (`number` converts each), or auto."""
     if values == [AUTO]:
         return AUTO
     try:
-        return tuple(float(v) for v in values)
+        return tuple(number(v) for v in values)
     except ValueError:
-        raise ConfigError("powers", values, "must be numbers, e.g. 1,5") from None
-
-
-def _max_rows_from_flag(values: list[str]) -> tuple[int, ...] | str:
-    if values == [AUTO]:
-        return AUTO
-    try:
-        return tuple(int(v) for v in values)
-    except ValueError:
-        raise ConfigError(
-            "max_rows", ",".join(values), "must be whole numbers of examples, e.g. 512,64, or auto"
-        ) from None
+        raise ConfigError(field, values, f"must be numbers, e.g. {example}") from None
 
 
 def config_from_flags() -> Config:
@@ -153,8 +143,8 @@ def config_from_flags() -> Config:
         for field in dataclasses.fields(Config)
         if field.metadata.get("flag", True)
     }
-    values["powers"] = _powers_from_flag(values["powers"])
-    values["max_rows"] = _max_rows_from_flag(values["max_rows"])
+    values["powers"] = _from_flag("powers", values["powers"], float, "1,5")
+    values["max_rows"] = _from_flag("max_rows", values["max_rows"], int, "512,64 (whole examples)")
     values["progress"] = {"always": True, "never": False}.get(FLAGS.progress, sys.stderr.isatty())
     return Config(**values)
 
