@@ -137,6 +137,19 @@ def checked_max_rows(max_rows, count: int) -> tuple[int, ...]:
     return tuple(int(c) for c in caps)
 
 
+def given_max_rows(max_rows, count: int) -> tuple[int, ...] | None:
+    """The caps a setting gives, one per device (mode multiworker: per worker); None for
+    none, or for caps measured (`max_rows="auto"`)."""
+    if max_rows in ((), None, AUTO):
+        return None
+    return checked_max_rows(max_rows, count)
+
+
+def micro_step_rows(global_batch: int, max_rows) -> int:
+    """The examples of an update's largest micro-step (`micro_steps`)."""
+    return -(-global_batch // micro_steps(global_batch, max_rows))
+
+
 def micro_steps(global_batch: int, max_rows) -> int:
     """The micro-steps of one update: 1 where the caps hold the global batch (or there are
     none), else the fewest whose near-equal parts the caps hold."""

@@ -16,7 +16,7 @@ import os
 import tensorflow as tf
 
 from tfdp.config import MODELS
-from tfdp.devices import AUTO, checked_max_rows, default_chains, micro_steps
+from tfdp.devices import AUTO, default_chains, given_max_rows, micro_steps
 from tfdp.engine.strategy import MirroredStrategy
 from tfdp.engine.trainer import Trainer
 
@@ -62,7 +62,7 @@ def build_trainer(config, devices: list[str], shards: list[int], model=None) -> 
 
     model = model if model is not None else models.built_in(config, build=True)
     jit_compile = bool(config.jit_compile or model.jit_compile)
-    caps = max_rows_of(config, len(shards))
+    caps = given_max_rows(config.max_rows, len(shards))
     steps = micro_steps(config.batch_size, caps)
     if config.mode == "multiworker":
         from tfdp.engine import multiworker
@@ -107,9 +107,3 @@ def build_trainer(config, devices: list[str], shards: list[int], model=None) -> 
         jit_compile=jit_compile, chains=chains, max_rows=caps, micro_steps=steps,
     )
 
-
-def max_rows_of(config, count: int):
-    """The run's caps, one per device (or worker); None for none."""
-    if config.max_rows in ((), AUTO):
-        return None
-    return checked_max_rows(config.max_rows, count)

@@ -67,13 +67,12 @@ class Split:
         """Caps measured before the first step (`max_rows="auto"`): the split of each
         micro-step of a global batch of `batch_size` within them, by the shares as they
         stand."""
-        from tfdp.devices import capped_split, micro_steps
+        from tfdp.devices import capped_split, micro_step_rows, micro_steps
 
         if self.fixed:
             raise ValueError("the split cannot be capped: the strategy cuts the batches itself")
-        steps = micro_steps(batch_size, max_rows)
-        micro = -(-batch_size // steps)  # the largest micro-step
-        self.max_rows, self.micro_steps = tuple(max_rows), steps
+        micro = micro_step_rows(batch_size, max_rows)
+        self.max_rows, self.micro_steps = tuple(max_rows), micro_steps(batch_size, max_rows)
         self.shards = capped_split(micro, self.shards, self.max_rows)
         self.global_batch_size = micro
         if self._sizes is not None:

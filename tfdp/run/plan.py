@@ -19,8 +19,9 @@ from tfdp.data.epochs import Schedule
 from tfdp.data.inputs import Inputs
 from tfdp.devices import (
     available_devices,
-    checked_max_rows,
     even_split,
+    given_max_rows,
+    micro_step_rows,
     micro_steps,
     parse_devices,
     parse_slowdown,
@@ -141,7 +142,7 @@ def partition(config: Config, devices: list[str]) -> list[int]:
     n, batch = len(devices), config.batch_size
     if config.mode == "single" and n != 1:
         raise ConfigError("devices", config.devices, f"mode single runs on one device, got {n}")
-    caps = given_max_rows(config, len(devices))
+    caps = given_max_rows(config.max_rows, len(devices))
     if caps is not None and micro_steps(batch, caps) > 1:
         if config.simulate_slowdown:
             raise ConfigError(
@@ -149,7 +150,7 @@ def partition(config: Config, devices: list[str]) -> list[int]:
                 f"sleeps per example of one step, not of micro-steps: give a batch within "
                 f"max_rows={list(caps)} ({sum(caps)} examples)",
             )
-        batch = -(-batch // micro_steps(batch, caps))  # the largest micro-step
+        batch = micro_step_rows(batch, caps)
     if config.max_rows == AUTO and config.mode == "multiworker":
         raise ConfigError(
             "max_rows", AUTO, "is measured on one machine's devices: give each worker's cap"
@@ -173,14 +174,6 @@ def partition(config: Config, devices: list[str]) -> list[int]:
             f"({', '.join(short_name(d) for d in devices)})",
         )
     return split_batch(batch, powers, few=True, max_rows=caps)
-
-
-def given_max_rows(config: Config, count: int) -> tuple[int, ...] | None:
-    """The caps the config gives, one per device (mode multiworker: per worker); None for
-    none (or measured: `--max_rows=auto`)."""
-    if config.max_rows in ((), AUTO):
-        return None
-    return checked_max_rows(config.max_rows, count)
 
 
 def check_balancing(config: Config, devices: list[str]) -> None:
