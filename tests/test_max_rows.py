@@ -222,17 +222,18 @@ def test_batch_normalization_in_micro_steps_moves_by_each_micro_batch():
 
 
 def test_rebalancing_and_auto_powers_stay_within_the_caps():
-    """Device 0 made 4x slower: the balancing would give device 1 most of the batch; its
-    cap of 36 holds it there, in every re-split and every piece."""
+    """Device 0 made 20x slower: the balancing would give device 1 nearly all the batch
+    (far past its cap, however the timing scatters); its cap of 36 holds it there, in
+    every re-split and every piece."""
     x, y = _data(64 * 12)
     model = _model()
     PIECES.clear()
     history = tfdp.fit(model, x, y, batch_size=64, epochs=2, shuffle=False, verbose=0,
                        mode="weighted", devices="cpu:0,cpu:1", powers="auto", rebalance_every=2,
-                       simulate_slowdown="cpu:0=4", max_rows=[64, 36])
+                       simulate_slowdown="cpu:0=20", max_rows=[64, 36])
     result = history.result
     measured = result["auto_powers"]
-    assert result["final_shards"] == [28, 36]  # (4x slower: about [13, 51] without the cap)
+    assert result["final_shards"] == [28, 36]  # (about [3, 61] without the cap)
     assert measured["shards_alone"][1] <= 36
     moves = [*measured["probe_resplits"], *result["rebalances"]]
     assert all(move["new"][1] <= 36 for move in moves)
