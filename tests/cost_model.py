@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 from tfdp.balance import Rebalancing, settle_under_load
 from tfdp.balance.arithmetic import powers_from_seconds
+from tfdp.balance.leaving import leave_out
 from tfdp.devices import split_batch
 
 
@@ -52,6 +53,8 @@ def simulate(
     probe_repeats: int = 3,
     noise: float = 0.0,
     seed: int = 0,
+    link: float = 0.0,
+    leave: bool = False,
 ) -> Simulation:
     """Runs the balancing algorithms against the cost model.
 
@@ -65,6 +68,10 @@ def simulate(
       probe_repeats: timed probe steps per device for "auto" (the median is used).
       noise: relative jitter of every measured time (a seeded lognormal factor).
       seed: seed of the jitter.
+      link: seconds a step takes beyond its slowest device per other device with rows
+        (the waiting and the all-reduce over it), on the host's clock.
+      leave: with "auto", then leave out each device that only slows the step
+        (`leaving.leave_out`, on the host's clock).
     """
     rng = random.Random(seed)
 
@@ -84,12 +91,14 @@ def simulate(
             for d in devices
         ]
         auto_powers = powers_from_seconds(probe, seconds)
-        trainer = _SimulatedTrainer(global_batch, split_batch(global_batch, auto_powers), together)
+        trainer = _SimulatedTrainer(global_batch, split_batch(global_batch, auto_powers), together, link)
         probe = settle_under_load(trainer, None, log=lambda line: None)
+        if leave:
+            probe.left_out = leave_out(trainer, None, log=lambda line: None)[1]
         auto_shards = list(trainer.shards)
     else:
         shards = split_batch(global_batch, powers or [1.0] * n)
-        trainer = _SimulatedTrainer(global_batch, shards, together)
+        trainer = _SimulatedTrainer(global_batch, shards, together, link)
 
     rebalancing = Rebalancing(trainer, rebalance_every, log=lambda line: None)
     if powers == "auto":
@@ -110,15 +119,21 @@ class _SimulatedTrainer:
     """What the balancing needs of a trainer's probes: the split (tfdp's own object) and
     device times under load, here from the cost model (`together(shards)`)."""
 
-    def __init__(self, global_batch: int, shards: list[int], together: Callable[[list[int]], list[float]]):
+    def __init__(self, global_batch: int, shards: list[int], together: Callable[[list[int]], list[float]],
+                 link: float = 0.0):
         from tfdp.engine.split import Split
 
         self.split = Split([f"device{i}" for i in range(len(shards))], shards)
         self._together = together
+        self._link = link
 
     @property
     def shards(self) -> list[int]:
         return self.split.shards
 
-    def together(self, batch) -> list[float]:
-        return self._together(self.split.shards)
+    def together(self, batch, host=False):
+        seconds = self._together(self.split.shards)
+        if not host:
+            return seconds
+        others = sum(s > 0 for s in self.split.shards) - 1
+        return max(seconds) + self._link * others, seconds

@@ -368,7 +368,8 @@ def window_scatter(window: Sequence[Sequence[float]], medians: Sequence[float]):
     """
     columns = []
     for j, median in enumerate(medians):
-        deviations = [math.log(step[j] / median) for step in window]
+        # (a device left out, without rows, has no time to scatter)
+        deviations = [math.log(step[j] / median) if median > 0 < step[j] else 0.0 for step in window]
         if len(window) % 2:
             deviations.remove(min(deviations, key=abs))
         columns.append(deviations)

@@ -10,7 +10,7 @@ data first. A trainer names its kind (`Trainer.balancer`).
 from __future__ import annotations
 
 from tfdp import balance
-from tfdp.balance import memory
+from tfdp.balance import leaving, memory
 from tfdp.cluster.agreement import Agreed, arrays_digest
 from tfdp.devices import AUTO, parse_slowdown, short_name
 
@@ -84,13 +84,20 @@ class DeviceBalancer:
             f"{steps} probe steps: shares {alone}"
             + (f" -> {shards}" if shards != alone else " kept")
         )
+        tried = []
+        if probes.may_leave_out:  # a device that only slows the step gets no rows
+            tried, settled.left_out = leaving.leave_out(probes, whole, log)
+            if settled.left_out:  # (its steps were at the split with the device)
+                settled.split_steps, settled.last_move = [], None
+                shards = list(probes.split.shards)
         info["auto_powers"] = {
             "devices": names,
             "images_per_second": rates,
             "probe_examples": probe,
             "shards_alone": alone,
             "probe_resplits": settled.resplits,
-            "powers": [s / min(shards) for s in shards],
+            "left_out": tried,
+            "powers": [s / min(s for s in shards if s > 0) for s in shards],
         }
         return info, settled
 

@@ -6,6 +6,8 @@ A trainer is used through its probes (`trainer.Probes`: `alone`, `together`,
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -25,6 +27,8 @@ from tfdp.balance.arithmetic import (
     whole_shares,
     window_scatter,
 )
+from tfdp.balance.leaving import taken_back, worth_taking_back
+from tfdp.devices import short_name
 
 
 def seconds_alone(probes, batch, index: int, repeats: int = 3) -> float:
@@ -153,6 +157,7 @@ class Rebalancing:
         self.measured = False  # whether the starting split was measured under load
         self.windows = 0  # full windows so far
         self.last_move = None  # per device: +1, -1 or 0, how the last re-split moved its share
+        self.left_out = []  # `leaving.LeftOut` of each device auto left out, until taken back
 
     def carry_over(self, probe: Rebalancing) -> None:
         """Starts from what `probe` (`settle_under_load`) measured: its steps at the
@@ -165,6 +170,7 @@ class Rebalancing:
         self.scatter = list(probe.scatter)
         self.window_length = min(probe.every, self.every) if self.every else 0
         self.last_move = probe.last_move
+        self.left_out = list(probe.left_out)
         self.measured = True
 
     def observe(self, iteration: int, device_seconds) -> None:
@@ -190,19 +196,28 @@ class Rebalancing:
             self.window_length = min(2 * self.window_length, self.every)
 
         seconds = [statistics.median(column) for column in zip(*self.split_steps)]
-        variances = self.log_variances()
         old = list(self.probes.split.shards)
-        rates, overheads = self.rebalancer.times(
-            old, seconds, variances, self.earlier_splits, len(self.split_steps)
+        # the devices with rows (a device left out has none): the split's arithmetic is theirs
+        active = [j for j, s in enumerate(old) if s > 0]
+        pick = functools.partial(_pick, active)
+        rebalancer, variances = self.rebalancer, self.log_variances()
+        if len(active) < len(old):
+            caps = rebalancer.max_rows and tuple(pick(rebalancer.max_rows))
+            rebalancer, variances = dataclasses.replace(rebalancer, max_rows=caps), variances and pick(variances)
+        earlier = [(pick(s), pick(t), n) for s, t, n in self.earlier_splits if min(pick(s)) > 0]
+        rates, overheads = rebalancer.times(
+            pick(old), pick(seconds), variances, earlier, len(self.split_steps)
         )
-        target = self.rebalancer.aim(rates, overheads, variances)
+        if self.left_out and self._take_back(iteration, old, rates, overheads, pick(seconds)):
+            return
+        target = rebalancer.aim(rates, overheads, variances)
         fell_short = self.last_move is not None and all(
-            _sign(t - s) == m for s, t, m in zip(old, target, self.last_move) if m
+            _sign(t - s) == m for s, t, m in zip(pick(old), target, pick(self.last_move)) if m
         )
         all_the_way = fell_short or not (self.resplits or self.measured)
-        new = self.rebalancer.move_toward(old, target, first=all_the_way)
+        new = _spread(active, rebalancer.move_toward(pick(old), target, first=all_the_way), len(old))
         significant = beyond_noise(
-            departures(old, target), variances, len(self.split_steps), self.rebalancer.tolerance
+            departures(pick(old), target), variances, len(self.split_steps), rebalancer.tolerance
         )
         if new == old or not significant:
             self.last_move = None  # the split held: a later move starts afresh
@@ -219,10 +234,10 @@ class Rebalancing:
                 "old": old,
                 "new": new,
                 "seconds": seconds,
-                "target": [round(t, 1) for t in target],
+                "target": _spread(active, [round(t, 1) for t in target], len(old)),
                 # the model the target came from: overhead + share x time per example
-                "ms_per_example": [round(1000.0 / r, 4) for r in rates],
-                "overhead_seconds": [round(a, 4) for a in overheads],
+                "ms_per_example": _spread(active, [round(1000.0 / r, 4) for r in rates], len(old), None),
+                "overhead_seconds": _spread(active, [round(a, 4) for a in overheads], len(old), None),
                 "all_the_way": all_the_way,
                 "log_sd": noise,
             }
@@ -234,10 +249,31 @@ class Rebalancing:
         )
         self.log(
             f"rebalanced after {self.unit} {iteration}: shares {old} -> {new} "
-            f"(device seconds per step {', '.join(f'{t:.3f}' for t in seconds)}, "
-            f"imbalance {imbalance(seconds):.0%}; aiming at {aim}"
+            f"(device seconds per step {', '.join(f'{t:.3f}' for t in pick(seconds))}, "
+            f"imbalance {imbalance(pick(seconds)):.0%}; aiming at {aim}"
             f"{', all the way' if all_the_way else ''})"
         )
+
+    def _take_back(self, iteration, old, rates, overheads, seconds) -> bool:
+        """Takes back the first device left out that would shorten the step
+        (`leaving.worth_taking_back`), at the split of every device by its speed."""
+        total = self.rebalancer.global_batch
+        for left in self.left_out:
+            if not worth_taking_back(left, rates, overheads, seconds, total):
+                continue
+            new = taken_back(old, left, rates, self.rebalancer.max_rows)
+            self.probes.split.set(new)
+            self.left_out = [other for other in self.left_out if other is not left]
+            self.split_steps, self.earlier_splits, self.last_move = [], [], None
+            name = short_name(self.probes.split.devices[left.index])
+            self.resplits.append({"iteration": iteration, "old": old, "new": new, "taken_back": name})
+            self.log(
+                f"rebalanced after {self.unit} {iteration}: {name} taken back, shares {old} -> "
+                f"{new} (a step without it: {max(seconds):.3f} s; with it, as it was measured, "
+                f"shorter)"
+            )
+            return True
+        return False
 
     def log_variances(self) -> list[float] | None:
         """Each device's step-to-step variance of log time, pooled over the windows so
@@ -258,3 +294,15 @@ class Rebalancing:
         if not self.window:
             return self.last_seconds
         return [statistics.median(column) for column in zip(*_read(self.window))]
+
+
+def _pick(indices, values):
+    return [values[j] for j in indices]
+
+
+def _spread(indices, values, length, fill=0):
+    """`values` of the devices at `indices`, `fill` for the others."""
+    spread = [fill] * length
+    for j, value in zip(indices, values):
+        spread[j] = value
+    return spread

@@ -72,8 +72,16 @@ def build_trainer(config, devices: list[str], shards: list[int], model=None) -> 
     # The host clock in the step (a device-to-host sync on a GPU) only where it is read.
     # (measured caps probe the devices as auto powers do)
     timed = AUTO in (config.powers, config.max_rows) or bool(config.rebalance_every) or slowdown
+    # By default, only the built-in models are cut into chains: the threads per kernel
+    # are chosen for them before TensorFlow starts (devices.default_intra_op_threads),
+    # and chains would compute batch statistics on parts of a shard.
+    chainable = config.model in MODELS and not models.has_batch_statistics(model)
+    cores = os.cpu_count() or 1
     if len(devices) > 1:
         even = config.mode == "mirrored"
+        leaving = config.powers == AUTO and not even  # a device may get no rows
+        # one device left with rows runs as mode single runs it
+        alone = min(default_chains([d], cores) for d in devices) if leaving and chainable else 1
         strategy = local_strategy(
             devices, shards, "allreduce" if even else config.reduce, config.all_reduce,
             config.batch_statistics,
@@ -90,15 +98,10 @@ def build_trainer(config, devices: list[str], shards: list[int], model=None) -> 
             jit_compile=jit_compile,
             max_rows=caps,
             micro_steps=steps,
+            chains=alone,
+            may_leave_out=leaving,
         )
-    # By default, only the built-in models are cut into chains: the threads per kernel
-    # are chosen for them before TensorFlow starts (devices.default_intra_op_threads),
-    # and chains would compute batch statistics on parts of a shard.
-    chains = config.chains or (
-        default_chains(devices, os.cpu_count() or 1)
-        if config.model in MODELS and not models.has_batch_statistics(model)
-        else 1
-    )
+    chains = config.chains or (default_chains(devices, cores) if chainable else 1)
     # No strategy: Keras' own step on the device, as model.fit runs it; one replica of
     # tfdp's strategy where the run times the device (a simulated slowdown, auto powers).
     strategy = local_strategy(devices, shards) if timed else None

@@ -154,6 +154,71 @@ class DeviceWork:
         return logs, [g for g, _ in pairs]
 
 
+class LeavingWork:
+    """A replica's part of a step where the balancing may leave devices out (a share of
+    0): the model's train_step on its piece, skipped where the piece holds no rows; cut
+    into `chains` side-by-side pieces while it is the only replica with rows (it then
+    has the cores of the devices left out, as mode single has them), else whole.
+
+    Args:
+      model, jit_compile: as `DeviceWork`'s.
+      chains: pieces of a replica left alone (1 on a GPU).
+      sizes: the split's variable, each replica's rows of a full global batch.
+    """
+
+    def __init__(self, model, chains, jit_compile, sizes):
+        self.model = model
+        self.whole = DeviceWork(model, 1, jit_compile, may_be_empty=True)
+        self.alone = DeviceWork(model, chains, jit_compile, may_be_empty=True) if chains > 1 else None
+        self.sizes = sizes
+
+    @property
+    def variables(self):
+        return self.whole.variables or getattr(self.alone, "variables", None)
+
+    @property
+    def notes(self):
+        return [*self.whole.notes, *getattr(self.alone, "notes", [])]
+
+    def train_either(self, shard, examples):
+        """`DeviceWork.train_either`, in chains while this replica is alone."""
+        if self.alone is None:
+            return self.whole.train_either(shard, examples)
+        alone = tf.math.count_nonzero(self.sizes) == 1
+        if tf.executing_eagerly():
+            return (self.alone if bool(alone) else self.whole).train_either(shard, examples)
+        return tf.cond(
+            alone,
+            lambda: self.alone.train_either(shard, examples),
+            lambda: self.whole.train_either(shard, examples),
+        )
+
+    def test(self, piece):
+        """The model's test_step on `piece`, skipped where it holds no rows; its logs as
+        the whole batch gives them (over the replicas, in a strategy's step)."""
+        model, traced, step = self.model, {}, replica.current()
+
+        def run():
+            fraction = 1.0 if step is None else step.fraction
+            with shards_lib.weighing_output_losses(model, fraction):
+                traced["logs"] = _tensors(model.test_step(piece))
+            return traced["logs"]
+
+        def nothing():  # traced after `run` (tf.cond traces the true branch first)
+            if "logs" not in traced:  # eager, and no piece has run yet
+                return _tensors(model.get_metrics_result())
+            return tf.nest.map_structure(_zeros_like, traced["logs"])
+
+        if tf.executing_eagerly():
+            logs = run() if bool(num_examples(piece) > 0) else nothing()
+        else:
+            logs = tf.cond(num_examples(piece) > 0, run, nothing)
+        if step is None or not isinstance(logs, dict):
+            return with_metrics(model, logs)
+        context = tf.distribute.get_replica_context()
+        return whole_batch.logs(model, logs, step.fraction, context, step.all_reduce)
+
+
 def _tensors(logs):
     return tf.nest.map_structure(tf.convert_to_tensor, logs)
 

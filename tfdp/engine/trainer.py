@@ -19,6 +19,7 @@ declares; it never asks which mode it runs.
 from __future__ import annotations
 
 import functools
+import time
 
 import tensorflow as tf
 
@@ -28,7 +29,7 @@ from tfdp.engine import shards as shards_lib
 from tfdp.engine.pieces import cut, cut_evenly, num_examples, piece_sizes
 from tfdp.engine.placement import Placement, kept
 from tfdp.engine.split import Split
-from tfdp.engine.steps import DeviceWork, in_micro_steps, with_metrics
+from tfdp.engine.steps import DeviceWork, LeavingWork, in_micro_steps, with_metrics
 
 
 class Probes:
@@ -42,8 +43,12 @@ class Probes:
     def __init__(self, trainer):
         self._trainer = trainer
         self.split, self.timed = trainer.split, trainer.timed
-        # the model's train_step on a piece, its gradients not applied
-        self._work = DeviceWork(trainer.model, 1, False, may_be_empty=True)
+        # the model's train_step on a piece, its gradients not applied; all devices at once
+        # as the step runs it where the balancing may leave devices out
+        self._work = self._all = DeviceWork(trainer.model, 1, False, may_be_empty=True)
+        self.may_leave_out = isinstance(trainer._micro, LeavingWork)
+        if self.may_leave_out:
+            self._all = trainer._micro
         self._alone = tf.function(self._seconds_alone, autograph=False)
         self._together = tf.function(self._seconds_together, autograph=False)
 
@@ -57,11 +62,14 @@ class Probes:
         with self.untouched():
             return float(self._alone(batch, index))
 
-    def together(self, batch):
+    def together(self, batch, host=False):
         """Each device's seconds for forward and backward on its shard of the global
-        batch, all devices at once as in a step, without an update."""
+        batch, all devices at once as in a step, without an update. With `host`: (the
+        step's seconds on the host's clock, waiting and all-reduce included, those)."""
         with self.untouched():
-            return self._together(batch).numpy()
+            start = time.perf_counter()
+            seconds = self._together(batch).numpy()
+            return (time.perf_counter() - start, seconds) if host else seconds
 
     def untouched(self):
         """Inside: what a probe step changes besides the weights (metrics, batch-norm
@@ -70,7 +78,7 @@ class Probes:
         return kept([*model.non_trainable_variables, *model.metrics_variables])
 
     def _seconds_together(self, batch):
-        return self._timed(batch, tf.convert_to_tensor(self.split.sizes))
+        return self._timed(batch, tf.convert_to_tensor(self.split.sizes), self._all.train_either)
 
     def _seconds_alone(self, batch, index):
         # The other replicas get empty pieces: the same program, no work.
@@ -78,9 +86,9 @@ class Probes:
         sizes[index] = num_examples(batch)
         # (through the split's variable: sizes the trace knows would fold the clock to a constant)
         sizes = tf.maximum(tf.stack(sizes), tf.minimum(tf.convert_to_tensor(self.split.sizes), 0))
-        return self._timed(batch, sizes)[index]
+        return self._timed(batch, sizes, self._work.train)[index]
 
-    def _timed(self, batch, sizes):
+    def _timed(self, batch, sizes, train):
         """Each replica's seconds for its train_step on its piece, without the update: the
         step's gradients are handed to the all-reduce, where the strategy's clock stops
         (and the simulated slowdown sleeps), and never applied."""
@@ -89,7 +97,7 @@ class Probes:
             raise ValueError("probes time the devices by the strategy's clock: a timed trainer")
 
         def handed_over(piece):
-            gradients = self._work.train(piece, examples)[1]
+            gradients = train(piece, examples)[1]
             tf.distribute.get_replica_context().all_reduce(
                 tf.distribute.ReduceOp.SUM, [*gradients, tf.zeros([])]
             )
@@ -137,6 +145,7 @@ class Trainer:
         chains=1,
         max_rows=None,
         micro_steps=1,
+        may_leave_out=False,
     ):
         """
         Args:
@@ -156,11 +165,13 @@ class Trainer:
           timed: read each replica's seconds in every step (auto powers, rebalancing).
           jit_compile: the model asks for XLA; the step is compiled with it where the
             strategy can (one replica, or GPUs only: one XLA program cannot span CPU devices).
-          chains: with one replica, side-by-side pieces its batch is cut into
-            (`steps.DeviceWork`: a CPU device keeps several cores busy with one-threaded
-            kernels); 1: the model's train_step as it is.
+          chains: with one replica (or one left with rows: `may_leave_out`), side-by-side
+            pieces its batch is cut into (`steps.DeviceWork`: a CPU device keeps several
+            cores busy with one-threaded kernels); 1: the model's train_step as it is.
           max_rows: the most examples each of `devices` takes in one step (None: no caps).
           micro_steps: steps of `shards` per update (a global batch beyond the caps).
+          may_leave_out: the balancing may give a device no rows (`powers="auto"`): its
+            replica then skips the model's step, its variables kept in sync.
         """
         self.split = Split(devices, shards, balanced=balanced, fixed=input != "split",
                            unit=self.unit, max_rows=max_rows, micro_steps=micro_steps)
@@ -179,9 +190,9 @@ class Trainer:
         self.model = model
         self._placement = Placement(model, strategy=strategy, device=self._device)
         self._placement.enter()
-        self.chains = chains
-        if chains > 1 and len(self.split.devices) > 1:
+        if chains > 1 and len(self.split.devices) > 1 and not may_leave_out:
             raise ValueError(f"chains={chains} needs one device")
+        self.chains = chains if len(self.split.devices) == 1 else 1
         self.jit_compile = bool(jit_compile and (strategy is None or strategy.compiles_with_xla))
         self._notes = []
         if jit_compile and not self.jit_compile:
@@ -190,12 +201,14 @@ class Trainer:
                 f"devices {', '.join(strategy.extended.worker_devices)} and their all-reduce"
             )
         # chains: the batch cut into pieces whose gradients are summed and applied once
-        self._work = DeviceWork(model, chains, self.jit_compile) if chains > 1 else None
-        self._micro = None  # micro-steps: a device's piece of each micro-batch (`_micro_update`)
+        self._work = DeviceWork(model, chains, self.jit_compile) if self.chains > 1 else None
+        # micro-steps: a device's piece of each micro-batch (`_micro_update`); one micro-step
+        # where a device may get no rows (the model's step skipped there)
+        self._micro = LeavingWork(model, chains, self.jit_compile, self.split.sizes) if may_leave_out else None
         self._replica_step = model.train_step if self._work is None else self._chained_step
         self._replicas_train = self._replicas_test = None  # each step one XLA program, as in Keras
         if self.jit_compile and not model.run_eagerly:
-            if chains == 1:
+            if self._work is None:
                 self._replicas_train = tf.function(self._train_replicas, jit_compile=True, autograph=False)
             self._replicas_test = tf.function(self._test_replicas, jit_compile=True, autograph=False)
         self._outputs_like = None  # a step's outputs, once traced (what a marker's step gives)
@@ -270,19 +283,9 @@ class Trainer:
         """The model's train_step on every replica's piece of `batch` (its update): the
         logs it returned (each holds the whole batch's: the strategy reads them so), each
         device's seconds, and `steps` 1."""
-        if self.split.micro_steps > 1:  # (caps measured before the first step count too)
+        if self.split.micro_steps > 1 or self._micro is not None:  # (caps measured later too)
             return self._micro_update(batch)
-        pieces = self._pieces(batch)
-        if self._replicas_train is not None:  # XLA
-            logs = self._replicas_train(pieces)
-        elif self.strategy is None:
-            with tf.device(self._device):
-                logs = self._replica_step(pieces)
-        else:
-            per_replica = self.strategy.run(self._replica_step, args=(pieces,))
-            logs = tf.nest.map_structure(
-                lambda value: self.strategy.experimental_local_results(value)[0], per_replica
-            )
+        logs = (self._replicas_train or self._train_replicas)(self._pieces(batch))  # (XLA)
         self._outputs_like = {"logs": logs, "device_seconds": self._seconds(), "steps": tf.constant(1)}
         return self._outputs_like
 
@@ -336,8 +339,8 @@ class Trainer:
             return self._replicas_test(pieces)
         return self._test_replicas(pieces)
 
-    def _test_replicas(self, pieces):
-        return self.run(self.model.test_step, pieces)
+    def _test_replicas(self, pieces):  # (a replica that may get no rows skips the step)
+        return self.run(getattr(self._micro, "test", self.model.test_step), pieces)
 
     def _pieces(self, batch):
         """A global batch on the host -> one piece per replica, of the run's split."""
