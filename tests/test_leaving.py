@@ -14,6 +14,7 @@ from cost_model import SimulatedDevice, simulate
 import tfdp
 from tfdp.balance import leaving
 from tfdp.balance.leaving import LeftOut, faster_without, taken_back, without, worth_taking_back
+from tfdp.engine.split import Split
 
 BATCH = 100
 
@@ -201,4 +202,20 @@ def test_a_device_left_out_is_taken_back_by_the_rebalancing_and_the_run_stays_ex
     back = [move for move in result["rebalances"] if "taken_back" in move]
     assert len(back) == 1 and min(back[0]["new"]) > 0 and sum(back[0]["new"]) == 64
     assert [line for line in lines if " taken back, shares " in line]
+    _same(model.get_weights(), weights)
+
+
+def test_a_saved_split_without_rows_for_a_device_is_taken_only_where_one_may_be_left_out():
+    saved = {"step": 4, "devices": ["a", "b"], "shards": [64, 0]}
+    assert Split(["a", "b"], [32, 32], leaving=True).takes(saved)
+    assert not Split(["a", "b"], [32, 32]).takes(saved)  # fixed powers: every device takes rows
+
+
+def test_a_cap_of_0_leaves_the_device_out_and_the_run_is_one_devices():
+    x, y = _data()
+    weights, _ = _one_device(x, y, None)
+    model = _model()
+    history = tfdp.fit(model, x, y, batch_size=64, epochs=2, shuffle=False, verbose=0,
+                       mode="weighted", devices="cpu:0,cpu:1", powers=[1, 1], max_rows=[0, 64])
+    assert history.result["shards"] == [0, 64]
     _same(model.get_weights(), weights)

@@ -11,7 +11,8 @@ device gets no rows: it idles, and keeps its variables in sync (it takes part in
 update with nothing to add). Then the next slowest, while two devices have rows.
 
 A device left out is remembered (`LeftOut`): its examples per second, and what its
-taking part cost the step beyond the devices' own seconds. While training, the
+taking part cost the step beyond what the speeds predict (the step measured with it, less
+the step its speed and the others' predict). While training, the
 rebalancing takes it back when the step it predicts with the device (the others as they
 are measured now, the device as remembered) is shorter beyond the margin than the step
 measured without it (`worth_taking_back`): the others may have become slower.
@@ -34,7 +35,7 @@ AGREEING = 6  # ... of which this many must be shorter without it (a sign test: 
 @dataclasses.dataclass(frozen=True)
 class LeftOut:
     """A device left out: its index, its examples per second when it had rows, and the
-    seconds its taking part added to the step beyond the devices' own seconds."""
+    seconds its taking part added to the step beyond what the speeds predict."""
 
     index: int
     rate: float
@@ -87,9 +88,13 @@ def leave_out(probes, batch, log: Callable[[str], None] = print,
         hosts, device = _pairs_of_steps(probes, batch, shards, other, pairs)
         with_device, without_device = hosts[0::2], hosts[1::2]
         out = faster_without(with_device, without_device)
-        # what its taking part cost the step beyond the devices' own seconds
-        beyond = [h - max(d) for h, d in zip(hosts, device)]
-        cost = max(0.0, statistics.median(beyond[0::2]) - statistics.median(beyond[1::2]))
+        # what its taking part cost the step: the step with it, less the step its speed
+        # predicts with the others as they ran without it
+        apart = [statistics.median(c) for c in zip(*device[1::2])]
+        others = sum(s / t for s, t in zip(other, apart) if s)
+        predicted = sum(other) / (others + rates[index])
+        cost = max(0.0, statistics.median(with_device) - statistics.median(without_device)
+                   - (predicted - statistics.median(max(d) for d in device[1::2])))
         name = short_name(probes.split.devices[index])
         tried.append({
             "device": name,
@@ -107,7 +112,7 @@ def leave_out(probes, batch, log: Callable[[str], None] = print,
             f"{tried[-1]['step_seconds']:.4f} s; shares {shards} -> {other}"
         )
         left.append(LeftOut(index, rates[index], cost))
-        shards, seconds = other, [statistics.median(c) for c in zip(*device[1::2])]
+        shards, seconds = other, apart
         probes.split.set(shards)
     return tried, left
 

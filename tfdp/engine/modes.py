@@ -79,7 +79,8 @@ def build_trainer(config, devices: list[str], shards: list[int], model=None) -> 
     cores = os.cpu_count() or 1
     if len(devices) > 1:
         even = config.mode == "mirrored"
-        leaving = config.powers == AUTO and not even  # a device may get no rows
+        # a device may get no rows: auto powers may leave it out, or its cap is 0
+        leaving = (config.powers == AUTO and not even) or bool(caps and 0 in caps)
         # one device left with rows runs as mode single runs it
         alone = min(default_chains([d], cores) for d in devices) if leaving and chainable else 1
         strategy = local_strategy(

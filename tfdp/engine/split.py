@@ -26,13 +26,16 @@ class Split:
         split set stays within them.
       micro_steps: steps of `shards` whose gradients make one update (the batch is beyond
         the caps); `global_batch_size` is then one micro-step's.
+      leaving: a device may take no examples (auto powers leave out a device that only
+        slows the step); else every device takes some.
     """
 
     def __init__(self, devices, shards, balanced=False, fixed=False, unit="device(s)",
-                 max_rows=None, micro_steps=1):
+                 max_rows=None, micro_steps=1, leaving=False):
         self.devices = list(devices)
         self.max_rows = None if max_rows is None else tuple(max_rows)
         self.micro_steps = micro_steps
+        self.leaving = leaving
         self._check(shards)
         self.shards = list(shards)
         self.global_batch_size = sum(shards)
@@ -95,9 +98,11 @@ class Split:
 
     def takes(self, saved: dict) -> bool:
         """Whether a split a checkpoint saved (`saved`) applies here: the same devices and
-        global batch, within this run's caps."""
+        global batch, within this run's caps, a device without examples only where one may
+        be left out."""
         return (
             saved["devices"] == self.devices
             and sum(saved["shards"]) == self.global_batch_size
             and self.within(saved["shards"])
+            and (self.leaving or min(saved["shards"]) > 0)
         )

@@ -173,8 +173,8 @@ class Trainer:
           may_leave_out: the balancing may give a device no rows (`powers="auto"`): its
             replica then skips the model's step, its variables kept in sync.
         """
-        self.split = Split(devices, shards, balanced=balanced, fixed=input != "split",
-                           unit=self.unit, max_rows=max_rows, micro_steps=micro_steps)
+        self.split = Split(devices, shards, balanced=balanced, fixed=input != "split", unit=self.unit,
+                           max_rows=max_rows, micro_steps=micro_steps, leaving=may_leave_out)
         self.split.sizes  # noqa: B018 (the variable, before any step is traced)
         self.timed = timed or slowdown
         self._input = input
