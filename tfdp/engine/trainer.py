@@ -43,12 +43,10 @@ class Probes:
     def __init__(self, trainer):
         self._trainer = trainer
         self.split, self.timed = trainer.split, trainer.timed
-        # the model's train_step on a piece, its gradients not applied; all devices at once
-        # as the step runs it where the balancing may leave devices out
-        self._work = self._all = DeviceWork(trainer.model, 1, False, may_be_empty=True)
-        self.may_leave_out = isinstance(trainer._micro, LeavingWork)
-        if self.may_leave_out:
-            self._all = trainer._micro
+        # the model's train_step on a piece, its gradients not applied (all devices at once:
+        # as the step runs it, where the balancing may leave devices out)
+        self._work = DeviceWork(trainer.model, 1, False, may_be_empty=True)
+        self._all, self.may_leave_out = trainer.leaving or self._work, trainer.leaving is not None
         self._alone = tf.function(self._seconds_alone, autograph=False)
         self._together = tf.function(self._seconds_together, autograph=False)
 
@@ -170,8 +168,7 @@ class Trainer:
             cores busy with one-threaded kernels); 1: the model's train_step as it is.
           max_rows: the most examples each of `devices` takes in one step (None: no caps).
           micro_steps: steps of `shards` per update (a global batch beyond the caps).
-          may_leave_out: the balancing may give a device no rows (`powers="auto"`): its
-            replica then skips the model's step, its variables kept in sync.
+          may_leave_out: a device may get no rows (auto powers, a cap of 0): it skips the step.
         """
         self.split = Split(devices, shards, balanced=balanced, fixed=input != "split", unit=self.unit,
                            max_rows=max_rows, micro_steps=micro_steps, leaving=may_leave_out)
@@ -204,7 +201,8 @@ class Trainer:
         self._work = DeviceWork(model, chains, self.jit_compile) if self.chains > 1 else None
         # micro-steps: a device's piece of each micro-batch (`_micro_update`); one micro-step
         # where a device may get no rows (the model's step skipped there)
-        self._micro = LeavingWork(model, chains, self.jit_compile, self.split.sizes) if may_leave_out else None
+        self.leaving = LeavingWork(model, chains, self.jit_compile, self.split.sizes) if may_leave_out else None
+        self._micro = self.leaving
         self._replica_step = model.train_step if self._work is None else self._chained_step
         self._replicas_train = self._replicas_test = None  # each step one XLA program, as in Keras
         if self.jit_compile and not model.run_eagerly:
@@ -285,7 +283,17 @@ class Trainer:
         device's seconds, and `steps` 1."""
         if self.split.micro_steps > 1 or self._micro is not None:  # (caps measured later too)
             return self._micro_update(batch)
-        logs = (self._replicas_train or self._train_replicas)(self._pieces(batch))  # (XLA)
+        pieces = self._pieces(batch)
+        if self._replicas_train is not None:  # XLA
+            logs = self._replicas_train(pieces)
+        elif self.strategy is None:
+            with tf.device(self._device):
+                logs = self._replica_step(pieces)
+        else:
+            per_replica = self.strategy.run(self._replica_step, args=(pieces,))
+            logs = tf.nest.map_structure(
+                lambda value: self.strategy.experimental_local_results(value)[0], per_replica
+            )
         self._outputs_like = {"logs": logs, "device_seconds": self._seconds(), "steps": tf.constant(1)}
         return self._outputs_like
 
@@ -311,8 +319,7 @@ class Trainer:
         )
 
     def _chained_step(self, batch):
-        """The model's train_step on side-by-side pieces of `batch`, their gradients summed
-        and applied once with the model's optimizer."""
+        """The model's train_step on side-by-side pieces of `batch`, summed, applied once."""
         with shards_lib.handing_over(self.model):
             logs, gradients, _ = self._work.train_either(batch, num_examples(batch))
         if gradients:  # (a model without trainable weights has nothing to update)
@@ -320,9 +327,8 @@ class Trainer:
         return with_metrics(self.model, logs)
 
     def _micro_update(self, batch):
-        """One update of a global batch beyond the caps: the batch cut into
-        `split.micro_steps` near-equal micro-batches, each cut over the replicas by the
-        split, run in turn on every replica (`steps.in_micro_steps`)."""
+        """One update of a global batch in `split.micro_steps` near-equal micro-batches (caps),
+        each cut over the replicas by the split, in turn (`steps.in_micro_steps`)."""
         if self._micro is None:  # (a micro-step's chains share its rows: within the cap)
             self._micro = DeviceWork(self.model, self.chains, self.jit_compile, may_be_empty=True)
         micro = [self._pieces(part) for part in cut_evenly(batch, self.split.micro_steps)]
@@ -335,9 +341,7 @@ class Trainer:
         return self._test_pieces(self._pieces(batch))
 
     def _test_pieces(self, pieces):
-        if self._replicas_test is not None:  # XLA
-            return self._replicas_test(pieces)
-        return self._test_replicas(pieces)
+        return (self._replicas_test or self._test_replicas)(pieces)  # (XLA)
 
     def _test_replicas(self, pieces):  # (a replica that may get no rows skips the step)
         return self.run(getattr(self._micro, "test", self.model.test_step), pieces)
