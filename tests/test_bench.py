@@ -424,9 +424,11 @@ def test_gpu_suite_smoke_on_stand_ins(tmp_path):
     measured = {r["name"]: r for r in records if not r.get("summary")}
     assert set(measured) == {"matmul peak", "tfdp weighted gpu+cpu auto"}
     assert all(r["stand_in"]["logical_cpus"] == 3 for r in measured.values())
-    # auto powers were measured (a probe ran) and split the 32 examples over both devices
+    # auto powers were measured (a probe ran) and split the 32 examples over both devices,
+    # unless the step was faster without one (whether it is, is a timing)
     auto = measured["tfdp weighted gpu+cpu auto"]
-    assert sum(auto["shards"]) == 32 and min(auto["shards"]) > 0 and auto["auto_powers"]
+    left = [tried for tried in auto["auto_powers"]["left_out"] if tried["left_out"]]
+    assert sum(auto["shards"]) == 32 and (min(auto["shards"]) > 0 or left)
     # One round: the rate follows from the raw seconds (2 iterations x 32 images).
     assert row["images_per_second"] == pytest.approx(2 * 32 / auto["seconds"], rel=1e-9)
 
