@@ -38,6 +38,7 @@ float()): the training loop, tfdp-bench and the tests' cost model
 
     arithmetic.py   the arithmetic of a split: shares, time lines, the target
     rebalancing.py  what measures devices and re-splits during a run
+    leaving.py      leaving out a device that only slows the step, and taking it back
 """
 
 from tfdp.balance.rebalancing import (  # noqa: F401
