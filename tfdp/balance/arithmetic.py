@@ -376,6 +376,19 @@ def window_scatter(window: Sequence[Sequence[float]], medians: Sequence[float]):
     return [list(row) for row in zip(*columns)]
 
 
+def pick_of(indices, values) -> list:
+    """The `values` of the devices at `indices` (those with rows, where a device is left out)."""
+    return [values[j] for j in indices]
+
+
+def spread(indices, values, length, fill=0) -> list:
+    """`values` of the devices at `indices` over all `length` devices, `fill` for the others."""
+    spread = [fill] * length
+    for j, value in zip(indices, values):
+        spread[j] = value
+    return spread
+
+
 def _sign(x: float) -> int:
     return (x > 0) - (x < 0)
 

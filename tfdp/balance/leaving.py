@@ -24,7 +24,7 @@ import dataclasses
 import statistics
 from collections.abc import Callable, Sequence
 
-from tfdp.balance.arithmetic import whole_shares
+from tfdp.balance.arithmetic import spread, whole_shares
 from tfdp.devices import capped_split, short_name
 
 MARGIN = 0.01  # a step must be 1% shorter without a device to leave it out (with it: to take it back)
@@ -146,9 +146,8 @@ def worth_taking_back(left: LeftOut, rates: Sequence[float], overheads: Sequence
 def taken_back(shards: Sequence[int], left: LeftOut, rates: Sequence[float], max_rows=None):
     """The split with device `left` back, every device by its examples per second (the
     others' `rates`, in the order of their positive `shards`), within the caps."""
-    speeds, others = [], iter(rates)
-    for j, s in enumerate(shards):
-        speeds.append(left.rate if j == left.index else next(others) if s > 0 else 0.0)
+    speeds = spread([j for j, s in enumerate(shards) if s > 0], rates, len(shards), 0.0)
+    speeds[left.index] = left.rate
     caps = list(max_rows or [sum(shards)] * len(shards))
     caps = [c if speed > 0 else 0 for c, speed in zip(caps, speeds)]
     return whole_shares(sum(shards), speeds, caps)

@@ -25,6 +25,8 @@ from tfdp.balance.arithmetic import (
     imbalance,
     powers_from_seconds,
     whole_shares,
+    pick_of,
+    spread,
     window_scatter,
 )
 from tfdp.balance.leaving import taken_back, worth_taking_back
@@ -199,7 +201,7 @@ class Rebalancing:
         old = list(self.probes.split.shards)
         # the devices with rows (a device left out has none): the split's arithmetic is theirs
         active = [j for j, s in enumerate(old) if s > 0]
-        pick = functools.partial(_pick, active)
+        pick = functools.partial(pick_of, active)
         rebalancer, variances = self.rebalancer, self.log_variances()
         if len(active) < len(old):
             caps = rebalancer.max_rows and tuple(pick(rebalancer.max_rows))
@@ -215,7 +217,7 @@ class Rebalancing:
             _sign(t - s) == m for s, t, m in zip(pick(old), target, pick(self.last_move)) if m
         )
         all_the_way = fell_short or not (self.resplits or self.measured)
-        new = _spread(active, rebalancer.move_toward(pick(old), target, first=all_the_way), len(old))
+        new = spread(active, rebalancer.move_toward(pick(old), target, first=all_the_way), len(old))
         significant = beyond_noise(
             departures(pick(old), target), variances, len(self.split_steps), rebalancer.tolerance
         )
@@ -234,10 +236,10 @@ class Rebalancing:
                 "old": old,
                 "new": new,
                 "seconds": seconds,
-                "target": _spread(active, [round(t, 1) for t in target], len(old)),
+                "target": spread(active, [round(t, 1) for t in target], len(old)),
                 # the model the target came from: overhead + share x time per example
-                "ms_per_example": _spread(active, [round(1000.0 / r, 4) for r in rates], len(old), None),
-                "overhead_seconds": _spread(active, [round(a, 4) for a in overheads], len(old), None),
+                "ms_per_example": spread(active, [round(1000.0 / r, 4) for r in rates], len(old), None),
+                "overhead_seconds": spread(active, [round(a, 4) for a in overheads], len(old), None),
                 "all_the_way": all_the_way,
                 "log_sd": noise,
             }
@@ -294,15 +296,3 @@ class Rebalancing:
         if not self.window:
             return self.last_seconds
         return [statistics.median(column) for column in zip(*_read(self.window))]
-
-
-def _pick(indices, values):
-    return [values[j] for j in indices]
-
-
-def _spread(indices, values, length, fill=0):
-    """`values` of the devices at `indices`, `fill` for the others."""
-    spread = [fill] * length
-    for j, value in zip(indices, values):
-        spread[j] = value
-    return spread
