@@ -85,6 +85,7 @@ def _to_tensors(data):
         )
 
 
+@tf.autograph.experimental.do_not_convert
 def _scale(images, labels):
     """Maps a batch to the model's input types: float32 in [0, 1] for images, int32 labels."""
     x = tf.cast(images, tf.float32)
@@ -99,6 +100,7 @@ def _model_inputs(data):
     return _scale if isinstance(data, Arrays) else _as_they_are
 
 
+@tf.autograph.experimental.do_not_convert
 def _as_they_are(*batch):
     return batch if len(batch) > 1 else batch[0]
 
@@ -187,6 +189,7 @@ def train_indices(arrays, batch_size, seed, start_step=0, drop_remainder=False, 
             "batch_size", batch_size, f"leaves no batch of the {num_examples} examples"
         )
 
+    @tf.autograph.experimental.do_not_convert
     def epoch_batches(epoch):
         # One order per pass over the data, cut into the index batches of its steps.
         key = tf.stack([tf.constant(seed, tf.int64), epoch])
@@ -201,8 +204,10 @@ def train_indices(arrays, batch_size, seed, start_step=0, drop_remainder=False, 
             batches = batches.concatenate(tf.data.Dataset.from_tensors(last))
         if shuffle == "batch":  # the batches in order, the examples of each shuffled
             batches = batches.enumerate().map(
-                lambda i, indices: tf.random.experimental.stateless_shuffle(
-                    indices, seed=key + tf.stack([tf.constant(0, tf.int64), i + 1])
+                tf.autograph.experimental.do_not_convert(
+                    lambda i, indices: tf.random.experimental.stateless_shuffle(
+                        indices, seed=key + tf.stack([tf.constant(0, tf.int64), i + 1])
+                    )
                 )
             )
         return batches
@@ -244,6 +249,7 @@ def gatherer(arrays):
     examples of `arrays`, as the model reads it; it reads only the examples named."""
     tensors, prepare = _to_tensors(arrays), _model_inputs(arrays)
 
+    @tf.autograph.experimental.do_not_convert
     def gather(indices):
         batch = tf.nest.map_structure(lambda t: leaves.gather_rows(t, indices), tensors)
         return prepare(*batch) if isinstance(batch, tuple) else batch

@@ -132,6 +132,7 @@ def load_tfds(text: str, data_dir=None, shuffle=True, seed=0):
     validation_name = next((s for s in ("test", "validation") if s in known or not known), None)
     validation = split(validation_name) if validation_name else None
 
+    @tf.autograph.experimental.do_not_convert
     def scale(*element):
         return tf.nest.map_structure(scaled, features, element)
 

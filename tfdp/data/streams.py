@@ -150,7 +150,7 @@ class Stream:
             # a pass's end, in the stream: an element of no examples, marked
             empty = tf.nest.map_structure(_empty, stream.element_spec)
             ended = tf.data.Dataset.from_tensors((empty, tf.constant(True)))
-            stream = stream.map(lambda *batch: (_packed(batch), tf.constant(False)))
+            stream = stream.map(_unmarked)
             stream = stream.concatenate(ended).repeat()
             return stream.skip(start_step + passes).prefetch(PREFETCH_BATCHES)
         if self.one_pass and self.batches is not None:
@@ -178,6 +178,12 @@ def first_of(sample, count: int):
 def _packed(batch):
     """A map function's arguments as the element they came from."""
     return batch if len(batch) > 1 else batch[0]
+
+
+@tf.autograph.experimental.do_not_convert
+def _unmarked(*batch):
+    """An element of the stream, marked as not a pass's end."""
+    return _packed(batch), tf.constant(False)
 
 
 def is_stream_input(x) -> bool:

@@ -211,6 +211,7 @@ def by_share(dataset, weights, first, local, caps=None):
     its cap (`caps`; a batch beyond their sum fails, naming them)."""
     structure = dataset.element_spec
 
+    @tf.autograph.experimental.do_not_convert
     def pieces(*element):
         batch = element if isinstance(structure, tuple) else element[0]
         leaves = tf.nest.flatten(batch)
@@ -222,6 +223,7 @@ def by_share(dataset, weights, first, local, caps=None):
         with tf.control_dependencies(checks):
             bounds = piece_bounds(rows, weights, caps)
 
+        @tf.autograph.experimental.do_not_convert
         def piece(index):
             start, stop = bounds[index], bounds[index + 1]
             # the element's own structure (a list stays a list, a 1-tuple a 1-tuple)
@@ -262,6 +264,7 @@ def global_batches(dataset, replicas):
     (their rows in order): the global batch a dataset function's batches make."""
     structure = dataset.element_spec
 
+    @tf.autograph.experimental.do_not_convert
     def concatenated(*window):
         # a window is the element's structure of datasets (a tuple's parts as arguments)
         batches = tf.data.Dataset.zip(window if isinstance(structure, tuple) else window[0])
