@@ -64,6 +64,9 @@ def test_dataset_follows_the_model():
         (dict(mode="multiworker", collective_timeout=math.inf), "collective_timeout"),
         (dict(mode="multiworker", collective_timeout=math.nan), "collective_timeout"),
         (dict(mode="multiworker", collective_timeout=-1), "collective_timeout"),
+        (dict(devices=["cpu:0", 1]), "devices"),
+        (dict(devices=["cpu:0", " "]), "devices"),
+        (dict(devices=0), "devices"),
     ],
 )
 def test_bad_settings_name_their_field(changes, field):
@@ -71,6 +74,11 @@ def test_bad_settings_name_their_field(changes, field):
         Config(**changes)
     assert info.value.field == field
     assert str(info.value).startswith(f"{field}=")
+
+
+def test_devices_may_be_a_list_of_names_as_the_strategies_take_them():
+    listed = Config(mode="weighted", devices=["cpu:0", "cpu:1"], powers=[1, 3])
+    assert listed == Config(mode="weighted", devices="cpu:0,cpu:1", powers=(1, 3))
 
 
 @pytest.mark.parametrize("seconds", [0, 1, 30.5, 86400])

@@ -241,6 +241,14 @@ class Config:
     def __post_init__(self):
         if self.dataset is None:
             object.__setattr__(self, "dataset", DATASET_OF_MODEL.get(self.model, "mnist"))
+        if isinstance(self.devices, (list, tuple)):  # as the strategies take them
+            if not all(isinstance(name, str) and name.strip() for name in self.devices):
+                raise ConfigError("devices", list(self.devices), "must be device names")
+            object.__setattr__(self, "devices", ",".join(self.devices))
+        if not isinstance(self.devices, str):
+            raise ConfigError(
+                "devices", self.devices, "must be a comma list such as cpu:0,gpu:0 or a list"
+            )
         if self.powers != AUTO:
             object.__setattr__(self, "powers", tuple(self.powers))
         if self.max_rows != AUTO and not isinstance(self.max_rows, str):

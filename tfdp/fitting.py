@@ -73,7 +73,8 @@ def fit(
       class_weight: as in Keras (Keras turns it into sample weights).
       config: a `tfdp.Config` of tfdp's settings; or its fields as keywords
         (`mode`, `devices`, `powers`, `rebalance_every`, `model_dir`, `seed`,
-        `precision`, `jit_compile`, ...).
+        `precision`, `jit_compile`, ...); `devices` as the command takes it
+        ("cpu:0,cpu:1") or a list of names, as the strategies take them.
       log: where tfdp's own lines go (default: print, none with verbose=0).
 
     Returns:
