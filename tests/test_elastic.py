@@ -480,11 +480,12 @@ def test_two_workers_a_sigkill_one_then_three_is_the_run_of_one_device(tmp_path)
     assert len(result(model_dir)["shards"]) == 3 and sum(result(model_dir)["shards"]) == 256
     assert len(result(model_dir)["auto_powers"]["powers"]) == 3  # measured again for 3
 
-    one_device = {}
-    for steps in (STEPS, STEPS + 1):
+    one_device, single = {}, str(tmp_path / "single")
+    for steps in (STEPS, STEPS + 1):  # the step after STEPS: resumed from its checkpoint
         config = Config(model="toy", batch_size=256, iterations=steps, log_every=500)
-        train(dataclasses.replace(config, model_dir=str(tmp_path / f"single{steps}")))
-        one_device[steps] = load_weights(tmp_path / f"single{steps}")
+        resumed, _ = train(dataclasses.replace(config, model_dir=single))
+        assert resumed["start_iteration"] == (0 if steps == STEPS else STEPS)
+        one_device[steps] = load_weights(single)
     for got, expected in zip(load_weights(model_dir), one_device[STEPS], strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
     assert not all(
