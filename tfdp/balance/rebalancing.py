@@ -23,10 +23,10 @@ from tfdp.balance.arithmetic import (
     beyond_noise,
     departures,
     imbalance,
-    powers_from_seconds,
-    whole_shares,
     pick_of,
+    powers_from_seconds,
     spread,
+    whole_shares,
     window_scatter,
 )
 from tfdp.balance.leaving import taken_back, worth_taking_back
