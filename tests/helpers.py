@@ -24,6 +24,9 @@ import pytest
 NUM_LOGICAL_CPUS = 4  # made by conftest.py before TensorFlow starts
 CPUS = [f"/device:CPU:{i}" for i in range(NUM_LOGICAL_CPUS)]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Put first on the PYTHONPATH of the processes the tests start (conftest.py): there,
+# `import matplotlib` and `import IPython` fail as where they are not installed.
+WITHOUT_PLOTTING = os.path.join(ROOT, "tests", "without_plotting")
 
 # Lines TensorFlow's native runtime prints at start-up, whatever the log level.
 NATIVE_PREFIXES = ("WARNING: All log messages before absl", "I0000", "W0000", "E0000")
@@ -202,6 +205,14 @@ def tfdp(*args, cwd=None, wait=True, env=None, timeout=900):
     return subprocess.run(
         command, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout
     )
+
+
+def plotting_environment():
+    """This process's environment with matplotlib importable again: for a command that
+    draws a chart."""
+    path = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    kept = os.pathsep.join(entry for entry in path if entry and entry != WITHOUT_PLOTTING)
+    return {**os.environ, "PYTHONPATH": kept}
 
 
 def own_stderr_lines(process):

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from helpers import environment, plotting_environment
 
 from tfdp.bench.flops import FORWARD_FLOPS, LENET_FORWARD_MACS, TRAIN_FLOPS
 from tfdp.bench.table import configurations
@@ -224,6 +225,7 @@ def test_bench_smoke(tmp_path):
         capture_output=True,
         text=True,
         timeout=900,
+        env=plotting_environment(),
     )
     assert process.returncode == 0, process.stderr[-3000:]
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
@@ -292,6 +294,7 @@ def test_mixed_suite_smoke(tmp_path):
         capture_output=True,
         text=True,
         timeout=900,
+        env=plotting_environment(),
     )
     assert process.returncode == 0, process.stderr[-3000:]
     assert "SIMULATED slowdown cpu:1=4" in process.stdout.splitlines()[0]
@@ -324,6 +327,30 @@ def test_mixed_suite_smoke(tmp_path):
         [slowed] = r["simulated_slowdown"].values()
         assert slowed["sleep_seconds_per_example"] == r["delays"][1]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_only_a_command_that_draws_finds_matplotlib():
+    """The processes the tests start find neither matplotlib nor IPython (conftest.py), so
+    that Keras does not import them at each start-up; a command that draws finds matplotlib."""
+    import subprocess
+    import sys
+
+    def imports(module, env):
+        return subprocess.run(
+            [sys.executable, "-c", f"import {module}"],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+
+    for module in ("matplotlib", "IPython"):
+        hidden = imports(module, environment())
+        assert hidden.returncode == 1
+        assert f"ModuleNotFoundError: {module} is hidden from this test process" in hidden.stderr
+    shown = imports("matplotlib", plotting_environment())
+    assert shown.returncode == 0, shown.stderr[-2000:]
 
 
 def run_bench(*flags):
