@@ -14,7 +14,7 @@ for name in [name for name in os.environ if name.startswith("SLURM")]:
     del os.environ[name]
 
 import pytest
-from helpers import NUM_LOGICAL_CPUS, WITHOUT_PLOTTING, random_images
+from helpers import NUM_LOGICAL_CPUS, WITHOUT_PLOTTING, python_path, random_images
 
 from tfdp import onednn
 from tfdp.devices import configure_logical_devices, reserve_sleeping_threads
@@ -24,9 +24,7 @@ from tfdp.devices import configure_logical_devices, reserve_sleeping_threads
 # "Two test processes, and how long the tests take"). The processes the tests start (and,
 # under xdist, the test processes) find neither, as after `pip install tfdp`; a command
 # that draws a chart is given matplotlib back (helpers.plotting_environment).
-_path = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-if WITHOUT_PLOTTING not in _path:
-    os.environ["PYTHONPATH"] = os.pathsep.join([WITHOUT_PLOTTING, *filter(None, _path)])
+os.environ["PYTHONPATH"] = os.pathsep.join([WITHOUT_PLOTTING, *python_path()])
 
 onednn.enable_by_default()  # as the tfdp command does: the tests run its kernels
 configure_logical_devices(logical_cpus=NUM_LOGICAL_CPUS)

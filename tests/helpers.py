@@ -207,12 +207,16 @@ def tfdp(*args, cwd=None, wait=True, env=None, timeout=900):
     )
 
 
+def python_path():
+    """The entries of this process's PYTHONPATH but WITHOUT_PLOTTING."""
+    path = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    return [entry for entry in path if entry and entry != WITHOUT_PLOTTING]
+
+
 def plotting_environment():
     """This process's environment with matplotlib importable again: for a command that
     draws a chart."""
-    path = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    kept = os.pathsep.join(entry for entry in path if entry and entry != WITHOUT_PLOTTING)
-    return {**os.environ, "PYTHONPATH": kept}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(python_path())}
 
 
 def own_stderr_lines(process):
